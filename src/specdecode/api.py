@@ -1,0 +1,190 @@
+"""The Python API: load a pair once, generate many times.
+
+Glossary: a *generator* here owns a loaded target, an optional draft, their runners and the
+engine; one request runs at a time on it (runners hold the KV caches). *Plain decoding* is the
+same generator with no draft.
+
+    gen = SpeculativeGenerator.from_pretrained("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
+    out = gen.generate("def fib(n):", max_new_tokens=64)
+    print(out.text, out.stats.tokens_per_target_forward)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from . import models, packs
+from .config import SamplingParams, SpecConfig
+from .drafters import ModelDrafter
+from .engine import GenerationStats, SpecEngine
+from .errors import SpecDecodeError
+from .runners.hf import HFRunner
+from .text import TextStream
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # new tokens only
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "stats": self.stats.to_dict(),
+        }
+
+
+@dataclass
+class StreamChunk:
+    text: str  # newly emitted text (may be empty)
+    token_ids: list[int]  # this step's new tokens that belong to the output
+    finish_reason: str | None
+
+
+class GenerationStream:
+    """Iterate for chunks; ``result`` is set once the stream is exhausted or closed."""
+
+    def __init__(self, chunks: Iterator[StreamChunk]):
+        self._chunks = chunks
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        return self._chunks
+
+    def close(self) -> None:
+        self._chunks.close()  # type: ignore[attr-defined]
+
+
+class SpeculativeGenerator:
+    def __init__(
+        self,
+        target: models.LoadedModel,
+        draft: models.LoadedModel | None = None,
+        gamma: int = 5,
+    ):
+        self.target = target
+        self.draft = draft
+        self.spec_config = SpecConfig(gamma=gamma)
+        self.tokenizer = target.tokenizer
+        self.eos_ids = models.eos_token_ids(target)
+        self.target_runner = HFRunner(target.model)
+        self.drafter = None
+        if draft is not None:
+            if not models.same_vocabulary(target.tokenizer, draft.tokenizer):
+                raise SpecDecodeError(
+                    f"draft '{draft.name}' and target '{target.name}' have different vocabularies; "
+                    "speculative decoding needs the same tokenizer"
+                )
+            self.drafter = ModelDrafter(HFRunner(draft.model))
+        self._sync = torch.cuda.synchronize if self.target_runner.device.type == "cuda" else None
+        self.engine = self._engine(self.spec_config)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str = packs.DEFAULT_TARGET,
+        draft: str | None = packs.DEFAULT_DRAFT,
+        *,
+        gamma: int = 5,
+        device: str = "cpu",
+        dtype: str = "float32",
+        progress: bool = True,
+    ) -> "SpeculativeGenerator":
+        SpecConfig(gamma=gamma)  # validate before the slow part
+        torch_device, torch_dtype = models.parse_device(device), models.parse_dtype(dtype)
+        loaded_target = models.load(target, torch_device, torch_dtype, progress)
+        loaded_draft = None
+        if draft is not None and draft.lower() != "none":
+            loaded_draft = models.load(draft, torch_device, torch_dtype, progress)
+        return cls(loaded_target, loaded_draft, gamma=gamma)
+
+    def _engine(self, config: SpecConfig) -> SpecEngine:
+        return SpecEngine(self.target_runner, self.drafter, config, sync=self._sync)
+
+    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            ids = [int(t) for t in prompt]
+        elif chat:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise SpecDecodeError("prompt is empty", field="prompt")
+        if any(t < 0 or t >= self.target_runner.vocab_size for t in ids):
+            raise SpecDecodeError("prompt has token ids outside the vocabulary", field="prompt")
+        return ids
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        gamma: int | None = None,
+        **sampling,
+    ) -> GenerationStream:
+        """Start a request; iterate the returned stream for text as it is committed."""
+        params = params or SamplingParams(**_stop_tuple(sampling))
+        engine = self.engine if gamma is None else self._engine(SpecConfig(gamma=gamma))
+        prompt_ids = self.encode(prompt, chat)
+        engine.check_fits(len(prompt_ids), params.max_new_tokens)
+        stream = GenerationStream(iter(()))
+        stream._chunks = self._chunks(engine, prompt_ids, params, stream)
+        return stream
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, **kwargs) -> GenerationResult:
+        stream = self.stream(prompt, params, **kwargs)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def _chunks(self, engine, prompt_ids, params, stream: GenerationStream) -> Iterator[StreamChunk]:
+        stats = GenerationStats()
+        text = TextStream(self.tokenizer, prompt_ids, params.stop)
+        steps = engine.generate(torch.tensor([prompt_ids]), params, self.eos_ids, stats=stats)
+        finish = "length"
+        t0 = time.perf_counter()
+        try:
+            for step in steps:
+                delta = text.push(step.tokens)
+                kept = step.tokens[: delta.kept_tokens]
+                if delta.stopped:
+                    stats.new_tokens -= len(step.tokens) - delta.kept_tokens
+                    finish = "stop"
+                    yield StreamChunk(delta.text + text.finish(), kept, finish)
+                    return
+                if step.finish_reason is not None:
+                    finish = step.finish_reason
+                    yield StreamChunk(delta.text + text.finish(), kept, finish)
+                    return
+                if delta.text or kept:
+                    yield StreamChunk(delta.text, kept, None)
+        finally:
+            steps.close()
+            stats.wall_seconds = time.perf_counter() - t0
+            stream.result = GenerationResult(text.text, list(text.token_ids), finish, len(prompt_ids), stats)
+
+
+def _stop_tuple(sampling: dict) -> dict:
+    stop = sampling.get("stop")
+    if stop is None:
+        sampling.pop("stop", None)
+    elif isinstance(stop, str):
+        sampling["stop"] = (stop,)
+    else:
+        sampling["stop"] = tuple(stop)
+    return sampling

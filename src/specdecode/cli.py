@@ -1,0 +1,142 @@
+"""Command line: ``specdecode generate | models`` (argument parsing -> config -> calls).
+
+Glossary: every user error ends as one line ``specdecode: error: ...`` on stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from . import packs
+from .errors import SpecDecodeError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        raise SpecDecodeError(f"{self.prog}: {message}")
+
+
+def _add_model_args(p: argparse.ArgumentParser, draft_default: str | None = packs.DEFAULT_DRAFT) -> None:
+    p.add_argument("--target", default=packs.DEFAULT_TARGET, help="target model: pack name, .gguf, directory or hub id (default: %(default)s)")
+    p.add_argument("--draft", default=draft_default, help="draft model reference, or 'none' for plain decoding (default: %(default)s)")
+    p.add_argument("--gamma", type=int, default=5, help="tokens drafted per step (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64 (default: %(default)s)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specdecode", description="Exact speculative decoding for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streaming it")
+    gen.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    _add_model_args(gen)
+    _add_sampling_args(gen)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+
+    mod = sub.add_parser("models", help="list model packs or print a pack's file path")
+    mod_sub = mod.add_subparsers(dest="models_command", parser_class=_Parser)
+    mod_sub.add_parser("list", help="packs and whether they are installed and cached")
+    path = mod_sub.add_parser("path", help="print the assembled GGUF path of a pack (assembling it if needed)")
+    path.add_argument("name")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "models":
+            return _models(args, parser)
+        parser.print_help()
+        return 2
+    except SpecDecodeError as exc:
+        print(f"specdecode: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdecode: interrupted", file=sys.stderr)
+        return 130
+
+
+def _sampling_from(args):
+    from .config import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        stop=tuple(args.stop),
+        seed=args.seed,
+    )
+
+
+def _generate(args) -> int:
+    from .api import SpeculativeGenerator
+    from .config import SpecConfig
+
+    params = _sampling_from(args)
+    SpecConfig(gamma=args.gamma)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    t0 = time.perf_counter()
+    gen = SpeculativeGenerator.from_pretrained(
+        args.target, args.draft, gamma=args.gamma, device=args.device, dtype=args.dtype, progress=not args.json
+    )
+    if not args.json:
+        print(f"[loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr, flush=True)
+    stream = gen.stream(prompt, params, chat=args.chat)
+    for chunk in stream:
+        if not args.json:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    result = stream.result
+    if args.json:
+        out = result.to_dict()
+        keys = ("new_tokens", "target_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+                "tokens_per_target_forward", "wall_seconds", "tokens_per_second")
+        out["stats"] = {k: out["stats"][k] for k in keys} | {"detail": out["stats"]}
+        print(json.dumps(out))
+    else:
+        s = result.stats
+        print(
+            f"\n[{s.new_tokens} tokens in {s.wall_seconds:.2f}s, {s.tokens_per_second:.2f} tok/s; "
+            f"{s.target_forwards} target forwards, {s.tokens_per_target_forward:.2f} tokens/forward; "
+            f"acceptance {s.acceptance_rate:.2f} ({s.accepted_tokens}/{s.drafted_tokens}); "
+            f"draft {s.draft_seconds:.2f}s verify {s.verify_seconds:.2f}s; finish={result.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _models(args, parser) -> int:
+    if args.models_command == "list":
+        for row in packs.status_rows():
+            state = "converted" if row["converted"] else "assembled" if row["assembled"] else "installed" if row["installed"] else "not installed"
+            print(f"{row['name']:32} {state:14} {row['description']}")
+        return 0
+    if args.models_command == "path":
+        pack = packs.get_pack(args.name)
+        if pack is None:
+            raise SpecDecodeError(f"unknown model pack '{args.name}' (known: {', '.join(packs.PACKS)})")
+        print(packs.ensure_assembled(pack, progress=sys.stderr.isatty()))
+        return 0
+    raise SpecDecodeError("models: choose 'list' or 'path NAME'")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Test models: tiny transformers models built from configs, a char tokenizer, and a table model."""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+ARCHS = ("llama", "gpt2", "qwen2")
+
+
+def tiny_model(arch: str, seed: int, vocab_size: int = 96, dtype=torch.float64, max_positions: int = 256, init: float = 0.4):
+    torch.manual_seed(seed)
+    if arch == "llama":
+        config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                             initializer_range=init, tie_word_embeddings=False)
+        model = LlamaForCausalLM(config)
+    elif arch == "qwen2":
+        config = Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                             initializer_range=init, tie_word_embeddings=True)
+        model = Qwen2ForCausalLM(config)
+    elif arch == "gpt2":
+        config = GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=max_positions,
+                            initializer_range=init, bos_token_id=1, eos_token_id=2)
+        model = GPT2LMHeadModel(config)
+    else:
+        raise ValueError(arch)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.to(dtype).eval()
+
+
+def perturbed(model, scale: float, seed: int):
+    """A copy of model with noise on every weight: a related, imperfect draft."""
+    import copy
+
+    clone = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * p.std().clamp(min=1e-3))
+    return clone
+
+
+CHARS = string.ascii_lowercase + string.digits + " .,:;!?()[]{}<>=+-*/\n_'\"#"
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: specials 0..2, then one id per character."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for ch in CHARS:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    return fast
+
+
+class TableRunner:
+    """An order-2 Markov language model as a Runner: logits depend on the last two tokens.
+
+    It has no float state to drift, so it runs the real engine thousands of times a second
+    for the statistical tests. Truncation keeps exactly the committed tokens.
+    """
+
+    def __init__(self, vocab_size: int, seed: int, sharpness: float = 1.5):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab_size, vocab_size, vocab_size, generator=g, dtype=torch.float64) * sharpness
+        self.vocab_size = vocab_size
+        self.max_context = 1 << 20
+        self.device = torch.device("cpu")
+        self.tokens: list[list[int]] = [[]]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([len(r) for r in self.tokens])
+
+    def reset(self, batch_size: int = 1) -> None:
+        self.tokens = [[] for _ in range(batch_size)]
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        self.reset(ids.shape[0])
+        return self.forward(ids)[:, -1]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = []
+        for row, new in zip(self.tokens, ids.tolist()):
+            logits = []
+            for t in new:
+                prev = row[-1] if row else 0
+                row.append(t)
+                logits.append(self.table[prev, t])
+            out.append(torch.stack(logits))
+        return torch.stack(out)
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        if any(int(n) > len(row) or int(n) < 0 for row, n in zip(self.tokens, lengths)):
+            raise ValueError("cannot grow by truncation")
+        self.tokens = [row[: int(n)] for row, n in zip(self.tokens, lengths)]
+
+    def next_logits(self, context: list[int]) -> torch.Tensor:
+        prev = context[-2] if len(context) > 1 else 0
+        return self.table[prev, context[-1]]
