@@ -36,6 +36,12 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _add_suite_args(p: argparse.ArgumentParser, limit: int) -> None:
+    p.add_argument("--suite", default="humaneval", help="humaneval, humaneval-chat or file:PATH (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=limit, help="number of prompts (default: %(default)s)")
+    p.add_argument("--offset", type=int, default=0, help="first prompt index (default: %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specdecode", description="Exact speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
@@ -46,6 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+
+    bench = sub.add_parser("bench", help="measure methods side by side on a prompt suite")
+    _add_model_args(bench)
+    _add_sampling_args(bench)
+    _add_suite_args(bench, limit=10)
+    bench.add_argument("--methods", default="ar,draft,hf,hf-assisted,hf-lookup",
+                       help="comma-separated methods (default: %(default)s)")
+    bench.add_argument("--out", default="bench-out/bench.json", help="JSON results; the .md report and PNG plots go beside it")
+    bench.add_argument("--no-cost-model", action="store_true", help="skip the k-token cost curve measurement")
+
+    tune = sub.add_parser("tune", help="calibrate the cost model for a pair and recommend gamma")
+    _add_model_args(tune)
+    _add_sampling_args(tune)
+    _add_suite_args(tune, limit=3)
 
     mod = sub.add_parser("models", help="list model packs or print a pack's file path")
     mod_sub = mod.add_subparsers(dest="models_command", parser_class=_Parser)
@@ -61,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.command == "generate":
             return _generate(args)
+        if args.command in ("bench", "tune"):
+            from .bench.command import run_command
+
+            return run_command(args, _sampling_from(args), " ".join(["specdecode", *(argv if argv is not None else sys.argv[1:])]))
         if args.command == "models":
             return _models(args, parser)
         parser.print_help()

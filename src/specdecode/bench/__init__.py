@@ -1,0 +1,1 @@
+"""Benchmarks: real prompt suites, our methods beside Hugging Face's, the paper's cost model."""

@@ -1,0 +1,77 @@
+"""``specdecode bench`` and ``specdecode tune``: load once, run, write JSON / Markdown / PNG.
+
+Glossary: the *baseline* is ``ar``; *tune* runs only the draft method on a few prompts plus
+the cost-model calibration and prints the gamma it predicts is best.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..config import SamplingParams, SpecConfig
+from ..errors import SpecDecodeError
+from . import harness, report
+from .methods import METHODS, NEEDS_DRAFT, BenchContext
+from .suites import load_suite
+
+
+def _load(args):
+    import torch
+
+    from ..api import SpeculativeGenerator
+
+    spec = SpeculativeGenerator.from_pretrained(args.target, args.draft, gamma=args.gamma, device=args.device,
+                                                dtype=args.dtype, progress=True)
+    plain = SpeculativeGenerator(spec.target, None)
+    sync = torch.cuda.synchronize if spec.target_runner.device.type == "cuda" else (lambda: None)
+    return BenchContext(spec, plain, sync)
+
+
+def parse_methods(text: str, has_draft: bool) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise SpecDecodeError(f"unknown method(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(METHODS)}", field="methods")
+    if not has_draft and NEEDS_DRAFT & set(methods):
+        raise SpecDecodeError(f"methods {', '.join(sorted(NEEDS_DRAFT & set(methods)))} need a --draft model", field="methods")
+    if "ar" not in methods:
+        methods.insert(0, "ar")  # the baseline of every ratio
+    return methods
+
+
+def run_command(args, params: SamplingParams, command_line: str) -> int:
+    SpecConfig(gamma=args.gamma)
+    has_draft = args.draft is not None and args.draft.lower() != "none"
+    methods = parse_methods(args.methods, has_draft) if args.command == "bench" else ["ar", "draft"]
+    if args.command == "tune" and not has_draft:
+        raise SpecDecodeError("tune needs a --draft model", field="draft")
+    prompts = load_suite(args.suite, args.limit, args.offset)
+    ctx = _load(args)
+    from tqdm import tqdm
+
+    result = harness.run_suite(ctx, prompts, methods, params, progress=lambda total: tqdm(total=total, desc="prompts", file=sys.stderr))
+    result["config"] = {
+        "command": command_line, "target": args.target, "draft": args.draft, "gamma": args.gamma,
+        "device": args.device, "dtype": args.dtype, "suite": args.suite, "prompts": len(prompts), "offset": args.offset,
+        "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_k": params.top_k,
+        "top_p": params.top_p, "seed": params.seed, "methods": methods,
+        "hf_defaults": "assisted: transformers defaults; lookup: prompt_lookup_num_tokens=10",
+    }
+    if has_draft and not getattr(args, "no_cost_model", False):
+        harness.attach_cost_model(result, ctx, prompts, args.gamma)
+    result = {"config": result.pop("config"), **result}
+    print(report.format_table(result))
+    if args.command == "tune":
+        cm = result.get("cost_model")
+        if cm:
+            print(f"recommended: --gamma {cm['best_gamma']} (predicted {cm['best_predicted_speedup']:.2f}x over plain decoding)")
+        return 0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(report.markdown(result))
+    written = report.plots(result, out.parent)
+    print(f"wrote {out}, {out.with_suffix('.md')}, " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0

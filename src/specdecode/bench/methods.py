@@ -1,0 +1,114 @@
+"""Decoding methods a benchmark compares, all over the same loaded target and prompts.
+
+Glossary:
+- ``ar``: our engine with no drafter, the baseline of every ratio;
+- ``draft``: our engine with the draft model at a fixed gamma;
+- ``hf``, ``hf-assisted``, ``hf-lookup``: transformers ``generate`` plain, with the draft as
+  ``assistant_model``, and with ``prompt_lookup_num_tokens`` (Hugging Face's defaults otherwise).
+A drafter added later registers its method with ``@register("name")``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..api import SpeculativeGenerator
+from ..config import SamplingParams
+
+HF_LOOKUP_TOKENS = 10
+
+
+@dataclass
+class BenchContext:
+    spec: SpeculativeGenerator  # target + draft
+    plain: SpeculativeGenerator  # the same target, no drafter
+    sync: Callable[[], None] = lambda: None
+
+
+@dataclass
+class MethodRun:
+    tokens: list[int]
+    wall_seconds: float
+    stats: dict | None = None  # our engine's stats; None for Hugging Face methods
+    extra: dict = field(default_factory=dict)
+
+
+Method = Callable[[BenchContext, list[int], SamplingParams], MethodRun]
+METHODS: dict[str, Method] = {}
+
+
+def register(name: str):
+    def wrap(fn: Method) -> Method:
+        METHODS[name] = fn
+        return fn
+
+    return wrap
+
+
+def _ours(gen: SpeculativeGenerator, prompt_ids: list[int], params: SamplingParams, ctx: BenchContext) -> MethodRun:
+    ctx.sync()
+    t0 = time.perf_counter()
+    result = gen.generate(prompt_ids, params)
+    ctx.sync()
+    return MethodRun(result.token_ids, time.perf_counter() - t0, result.stats.to_dict())
+
+
+@register("ar")
+def run_ar(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
+    return _ours(ctx.plain, prompt_ids, params, ctx)
+
+
+@register("draft")
+def run_draft(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
+    return _ours(ctx.spec, prompt_ids, params, ctx)
+
+
+def _hf(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams, **extra) -> MethodRun:
+    model = ctx.spec.target.model
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    eos = ctx.spec.eos_ids
+    kwargs = dict(max_new_tokens=params.max_new_tokens, eos_token_id=eos or None, pad_token_id=(eos or [0])[0])
+    if params.greedy:
+        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    else:
+        kwargs.update(do_sample=True, temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p)
+        # transformers samples from the global RNG; seeding it is the only way to make its runs repeatable
+        torch.manual_seed(params.seed if params.seed is not None else 0)
+    ctx.sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs, **extra)
+    ctx.sync()
+    wall = time.perf_counter() - t0
+    tokens = out[0, len(prompt_ids):].tolist()
+    return MethodRun(_cut_at_eos(tokens, set(eos)), wall)
+
+
+def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+@register("hf")
+def run_hf(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
+    return _hf(ctx, prompt_ids, params)
+
+
+@register("hf-assisted")
+def run_hf_assisted(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
+    return _hf(ctx, prompt_ids, params, assistant_model=ctx.spec.draft.model)
+
+
+@register("hf-lookup")
+def run_hf_lookup(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
+    return _hf(ctx, prompt_ids, params, prompt_lookup_num_tokens=HF_LOOKUP_TOKENS)
+
+
+NEEDS_DRAFT = {"draft", "hf-assisted"}

@@ -1,0 +1,119 @@
+"""Benchmark output: a terminal table, a Markdown report and PNG plots.
+
+Glossary: *x* after a ratio means "times the baseline's tokens per second".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _ratio(r: dict | None) -> str:
+    return "-" if not r else f"{r['geomean']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]"
+
+
+def _num(v, fmt="{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+COLUMNS = ("method", "tok/s", "vs ar (geo [min-max])", "vs hf-assisted", "accept", "tok/fwd", "mismatches")
+
+
+def table_rows(result: dict) -> list[tuple[str, ...]]:
+    rows = []
+    for name, m in result["methods"].items():
+        rows.append((
+            name,
+            f"{m['tokens_per_second']:.2f}",
+            _ratio(m["speedup_vs_ar"]),
+            _ratio(m["speedup_vs_hf_assisted"]),
+            _num(m["acceptance_rate"]),
+            _num(m["tokens_per_target_forward"]),
+            "-" if m["mismatches"] is None else str(m["mismatches"]),
+        ))
+    return rows
+
+
+def format_table(result: dict) -> str:
+    rows = [COLUMNS, *table_rows(result)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    cm = result.get("cost_model")
+    if cm:
+        lines.append("")
+        lines.append(
+            f"cost model: alpha={cm['alpha']:.3f}, c={cm['c']:.3f}, target k=1 {cm['target_seconds_by_k']['1'] * 1e3:.0f} ms, "
+            f"k={result['config']['gamma'] + 1} {cm['target_seconds_by_k'][str(result['config']['gamma'] + 1)] * 1e3:.0f} ms; "
+            f"predicted speedup at gamma={result['config']['gamma']}: {cm['predicted_at_gamma']:.2f}x "
+            f"(measured {cm['measured_speedup']:.2f}x); best gamma {cm['best_gamma']} -> {cm['best_predicted_speedup']:.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def markdown(result: dict) -> str:
+    cfg = result["config"]
+    out = [
+        "# specdecode bench report",
+        "",
+        f"- command: `{cfg['command']}`",
+        f"- target `{cfg['target']}`, draft `{cfg['draft']}`, gamma {cfg['gamma']}, device {cfg['device']}, dtype {cfg['dtype']}",
+        f"- suite `{cfg['suite']}` ({cfg['prompts']} prompts from offset {cfg['offset']}), max_new_tokens {cfg['max_new_tokens']}, "
+        f"temperature {cfg['temperature']}, top_k {cfg['top_k']}, top_p {cfg['top_p']}",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    out += ["| " + " | ".join(r) + " |" for r in table_rows(result)]
+    cm = result.get("cost_model")
+    if cm:
+        out += ["", "## Cost model", "", format_table(result).splitlines()[-1], "",
+                "| gamma | predicted tokens/forward | predicted step (ms) | predicted speedup |", "|---|---|---|---|"]
+        out += [f"| {r['gamma']} | {r['tokens_per_target_forward']:.2f} | {r['step_seconds'] * 1e3:.0f} | {r['predicted_speedup']:.2f}x |"
+                for r in cm["by_gamma"]]
+        out += ["", "Target pass time by new tokens k: " + ", ".join(f"k={k}: {v * 1e3:.0f} ms" for k, v in cm["target_seconds_by_k"].items())]
+    return "\n".join(out) + "\n"
+
+
+def plots(result: dict, folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    names = [n for n, m in result["methods"].items() if m["speedup_vs_ar"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(names, [result["methods"][n]["speedup_vs_ar"]["geomean"] for n in names])
+    ax.axhline(1.0, color="grey", lw=1)
+    ax.set_ylabel("speedup vs ar (geomean)")
+    fig.tight_layout()
+    written.append(folder / "speedup.png")
+    fig.savefig(written[-1])
+    plt.close(fig)
+    with_pos = {n: m["accepted_by_position"] for n, m in result["methods"].items() if m.get("accepted_by_position")}
+    if with_pos:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for n, rates in with_pos.items():
+            ax.plot(range(1, len(rates) + 1), [r if r is not None else float("nan") for r in rates], marker="o", label=n)
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("P(accepted | drafted)")
+        ax.legend()
+        fig.tight_layout()
+        written.append(folder / "acceptance_by_position.png")
+        fig.savefig(written[-1])
+        plt.close(fig)
+    cm = result.get("cost_model")
+    if cm:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([r["gamma"] for r in cm["by_gamma"]], [r["predicted_speedup"] for r in cm["by_gamma"]], marker="o", label="predicted")
+        ax.scatter([result["config"]["gamma"]], [cm["measured_speedup"]], color="red", zorder=3, label="measured")
+        ax.set_xlabel("gamma")
+        ax.set_ylabel("speedup vs ar")
+        ax.legend()
+        fig.tight_layout()
+        written.append(folder / "cost_model.png")
+        fig.savefig(written[-1])
+        plt.close(fig)
+    return written
