@@ -144,3 +144,16 @@ def test_broken_verifier_fails_the_same_test(broken):
     engine = SpecEngine(target, ModelDrafter(draft), SpecConfig(gamma=GAMMA), verifier=broken)
     tv, threshold, p_value, _ = compare(exact_joint(target, params), sample_engine(engine, params, SAMPLES), SAMPLES)
     assert tv > threshold and p_value < 1e-6, (broken.__name__, tv, threshold, p_value)
+
+
+def test_ngram_drafter_sampling_matches_target_joint():
+    """Deterministic proposals (one-hot) keep sampling exact; the prompt repeats so lookups fire."""
+    from specdecode.drafters.ngram import NgramDrafter
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=WINDOW)
+    target, _ = make_pair()
+    engine = SpecEngine(target, NgramDrafter(VOCAB, min_n=1, max_n=2), SpecConfig(gamma=GAMMA))
+    joint = exact_joint(target, params)
+    counts = sample_engine(engine, params, SAMPLES)
+    tv, threshold, p_value, outside = compare(joint, counts, SAMPLES)
+    assert outside == 0 and tv < threshold and p_value > P_VALUE_FLOOR, (tv, threshold, p_value)

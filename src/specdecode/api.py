@@ -20,6 +20,7 @@ import torch
 from . import models, packs
 from .config import SamplingParams, SpecConfig
 from .drafters import ModelDrafter
+from .drafters.ngram import NgramDrafter
 from .engine import GenerationStats, SpecEngine
 from .errors import SpecDecodeError
 from .runners.hf import HFRunner
@@ -71,7 +72,9 @@ class SpeculativeGenerator:
         target: models.LoadedModel,
         draft: models.LoadedModel | None = None,
         gamma: int = 5,
+        drafter: str | None = None,
     ):
+        """drafter: "model" (the draft model; the default when one is given), "ngram" or None (plain)."""
         self.target = target
         self.draft = draft
         self.spec_config = SpecConfig(gamma=gamma)
@@ -79,13 +82,21 @@ class SpeculativeGenerator:
         self.eos_ids = models.eos_token_ids(target)
         self.target_runner = HFRunner(target.model)
         self.drafter = None
-        if draft is not None:
+        kind = drafter or ("model" if draft is not None else None)
+        if kind not in (None, "model", "ngram"):
+            raise SpecDecodeError(f"unknown drafter '{kind}' (choose model or ngram)", field="draft")
+        if kind == "ngram":
+            self.drafter = NgramDrafter(self.target_runner.vocab_size)
+        elif kind == "model":
+            if draft is None:
+                raise SpecDecodeError("the model drafter needs a draft model", field="draft")
             if not models.same_vocabulary(target.tokenizer, draft.tokenizer):
                 raise SpecDecodeError(
                     f"draft '{draft.name}' and target '{target.name}' have different vocabularies; "
                     "speculative decoding needs the same tokenizer"
                 )
             self.drafter = ModelDrafter(HFRunner(draft.model))
+        self.drafter_kind = kind
         self._sync = torch.cuda.synchronize if self.target_runner.device.type == "cuda" else None
         self.engine = self._engine(self.spec_config)
 
@@ -103,10 +114,12 @@ class SpeculativeGenerator:
         SpecConfig(gamma=gamma)  # validate before the slow part
         torch_device, torch_dtype = models.parse_device(device), models.parse_dtype(dtype)
         loaded_target = models.load(target, torch_device, torch_dtype, progress)
-        loaded_draft = None
-        if draft is not None and draft.lower() != "none":
+        loaded_draft, kind = None, None
+        if draft is not None and draft.lower() == "ngram":
+            kind = "ngram"
+        elif draft is not None and draft.lower() != "none":
             loaded_draft = models.load(draft, torch_device, torch_dtype, progress)
-        return cls(loaded_target, loaded_draft, gamma=gamma)
+        return cls(loaded_target, loaded_draft, gamma=gamma, drafter=kind)
 
     def _engine(self, config: SpecConfig) -> SpecEngine:
         return SpecEngine(self.target_runner, self.drafter, config, sync=self._sync)

@@ -21,7 +21,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_model_args(p: argparse.ArgumentParser, draft_default: str | None = packs.DEFAULT_DRAFT) -> None:
     p.add_argument("--target", default=packs.DEFAULT_TARGET, help="target model: pack name, .gguf, directory or hub id (default: %(default)s)")
-    p.add_argument("--draft", default=draft_default, help="draft model reference, or 'none' for plain decoding (default: %(default)s)")
+    p.add_argument("--draft", default=draft_default, help="draft model reference, 'ngram' for prompt lookup, or 'none' for plain decoding (default: %(default)s)")
     p.add_argument("--gamma", type=int, default=5, help="tokens drafted per step (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64 (default: %(default)s)")
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     _add_sampling_args(bench)
     _add_suite_args(bench, limit=10)
-    bench.add_argument("--methods", default="ar,draft,hf,hf-assisted,hf-lookup",
+    bench.add_argument("--methods", default="ar,draft,ngram,hf,hf-assisted,hf-lookup",
                        help="comma-separated methods (default: %(default)s)")
     bench.add_argument("--out", default="bench-out/bench.json", help="JSON results; the .md report and PNG plots go beside it")
     bench.add_argument("--no-cost-model", action="store_true", help="skip the k-token cost curve measurement")

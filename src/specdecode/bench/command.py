@@ -25,8 +25,9 @@ def _load(args):
     spec = SpeculativeGenerator.from_pretrained(args.target, args.draft, gamma=args.gamma, device=args.device,
                                                 dtype=args.dtype, progress=True)
     plain = SpeculativeGenerator(spec.target, None)
+    ngram = SpeculativeGenerator(spec.target, None, gamma=args.gamma, drafter="ngram")
     sync = torch.cuda.synchronize if spec.target_runner.device.type == "cuda" else (lambda: None)
-    return BenchContext(spec, plain, sync)
+    return BenchContext(spec, plain, ngram, sync)
 
 
 def parse_methods(text: str, has_draft: bool) -> list[str]:
@@ -43,7 +44,7 @@ def parse_methods(text: str, has_draft: bool) -> list[str]:
 
 def run_command(args, params: SamplingParams, command_line: str) -> int:
     SpecConfig(gamma=args.gamma)
-    has_draft = args.draft is not None and args.draft.lower() != "none"
+    has_draft = args.draft is not None and args.draft.lower() not in ("none", "ngram")
     methods = parse_methods(args.methods, has_draft) if args.command == "bench" else ["ar", "draft"]
     if args.command == "tune" and not has_draft:
         raise SpecDecodeError("tune needs a --draft model", field="draft")

@@ -3,6 +3,7 @@
 Glossary:
 - ``ar``: our engine with no drafter, the baseline of every ratio;
 - ``draft``: our engine with the draft model at a fixed gamma;
+- ``ngram``: our engine with n-gram prompt lookup (no draft model);
 - ``hf``, ``hf-assisted``, ``hf-lookup``: transformers ``generate`` plain, with the draft as
   ``assistant_model``, and with ``prompt_lookup_num_tokens`` (Hugging Face's defaults otherwise).
 A drafter added later registers its method with ``@register("name")``.
@@ -26,6 +27,7 @@ HF_LOOKUP_TOKENS = 10
 class BenchContext:
     spec: SpeculativeGenerator  # target + draft
     plain: SpeculativeGenerator  # the same target, no drafter
+    ngram: SpeculativeGenerator  # the same target, n-gram prompt lookup
     sync: Callable[[], None] = lambda: None
 
 
@@ -65,6 +67,11 @@ def run_ar(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> 
 @register("draft")
 def run_draft(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
     return _ours(ctx.spec, prompt_ids, params, ctx)
+
+
+@register("ngram")
+def run_ngram(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
+    return _ours(ctx.ngram, prompt_ids, params, ctx)
 
 
 def _hf(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams, **extra) -> MethodRun:

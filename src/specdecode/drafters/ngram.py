@@ -1,0 +1,84 @@
+"""Prompt-lookup drafting: propose what followed the last earlier occurrence of the context's tail.
+
+Glossary:
+- *tail n-gram*: the context's last n tokens; n is tried from ``max_n`` down to ``min_n``.
+- *continuation*: the tokens that followed the most recent earlier occurrence of that n-gram,
+  in the prompt or in the generated text; up to k of them are proposed.
+- The proposal is deterministic (``probs=None``): verification treats it as one-hot, which
+  keeps sampling exact.
+
+The index is updated incrementally with each new committed token (O(max_n) work per token),
+so a lookup never rescans the context.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..config import SamplingParams
+from .base import Draft
+
+
+class _RowIndex:
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.indexed = 0  # n-grams ending before this position are in the tables
+        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+
+    def extend(self, context: list[int]) -> None:
+        """Bring the index up to a longer context (tokens already seen must be unchanged)."""
+        if len(context) < len(self.tokens) or context[: len(self.tokens)] != self.tokens[: len(context)]:
+            self.__init__(self.min_n, self.max_n)  # context rewound: rebuild (only on reset)
+        self.tokens = list(context)
+        # an n-gram ending at position e (exclusive) maps to its continuation start e; only
+        # n-grams with a continuation (e < len) are indexed, so the live tail never matches itself
+        for end in range(max(self.indexed, 1), len(self.tokens)):
+            for n, table in self.tables.items():
+                if end >= n:
+                    table[tuple(self.tokens[end - n : end])] = end
+        self.indexed = max(self.indexed, len(self.tokens))
+
+    def lookup(self, k: int) -> list[int]:
+        length = len(self.tokens)
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if length < n:
+                continue
+            start = self.tables[n].get(tuple(self.tokens[length - n :]))
+            if start is not None:
+                return self.tokens[start : start + k]
+        return []
+
+
+class NgramDrafter:
+    def __init__(self, vocab_size: int, min_n: int = 1, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError("need 1 <= min_n <= max_n")
+        self.vocab_size = vocab_size
+        self.min_n, self.max_n = min_n, max_n
+        self.rows: list[_RowIndex] = []
+
+    def reset(self, prompt_ids: torch.Tensor) -> None:  # [B, T]
+        self.rows = [_RowIndex(self.min_n, self.max_n) for _ in range(prompt_ids.shape[0])]
+        for row, ids in zip(self.rows, prompt_ids.tolist()):
+            row.extend(ids)
+
+    def propose(
+        self,
+        context: torch.Tensor,  # [B, L]
+        k: int,
+        params: SamplingParams,
+        generators: Sequence[torch.Generator],
+    ) -> Draft:
+        proposals = []
+        for row, ids in zip(self.rows, context.tolist()):
+            row.extend(ids)
+            proposals.append(row.lookup(k))
+        width = min(len(p) for p in proposals)  # rows share one draft length
+        tokens = torch.tensor([p[:width] for p in proposals], dtype=torch.long).reshape(len(proposals), width)
+        return Draft(tokens, None)
+
+    def commit(self, num_accepted: torch.Tensor) -> None:
+        """Nothing to roll back: only committed tokens ever enter the index."""
