@@ -23,7 +23,6 @@ from .drafters import ModelDrafter
 from .drafters.ngram import NgramDrafter
 from .engine import GenerationStats, SpecEngine
 from .errors import SpecDecodeError
-from .runners.hf import HFRunner
 from .text import TextStream
 
 
@@ -80,7 +79,9 @@ class SpeculativeGenerator:
         self.spec_config = SpecConfig(gamma=gamma)
         self.tokenizer = target.tokenizer
         self.eos_ids = models.eos_token_ids(target)
-        self.target_runner = HFRunner(target.model)
+        if target.runner == "llamacpp":
+            raise SpecDecodeError("the llamacpp runner may only run drafts", field="runner")
+        self.target_runner = target.make_runner()
         self.drafter = None
         kind = drafter or ("model" if draft is not None else None)
         if kind not in (None, "model", "ngram"):
@@ -95,7 +96,7 @@ class SpeculativeGenerator:
                     f"draft '{draft.name}' and target '{target.name}' have different vocabularies; "
                     "speculative decoding needs the same tokenizer"
                 )
-            self.drafter = ModelDrafter(HFRunner(draft.model))
+            self.drafter = ModelDrafter(draft.make_runner())
         self.drafter_kind = kind
         self._sync = torch.cuda.synchronize if self.target_runner.device.type == "cuda" else None
         self.engine = self._engine(self.spec_config)
@@ -109,16 +110,20 @@ class SpeculativeGenerator:
         gamma: int = 5,
         device: str = "cpu",
         dtype: str = "float32",
+        runner: str = "auto",
+        draft_runner: str = "auto",
         progress: bool = True,
     ) -> "SpeculativeGenerator":
+        """runner / draft_runner: auto, hf (transformers as loaded), int8 (fast batch-invariant CPU
+        path) or llamacpp (drafts only). auto picks int8 / llama.cpp on CPU in float32."""
         SpecConfig(gamma=gamma)  # validate before the slow part
         torch_device, torch_dtype = models.parse_device(device), models.parse_dtype(dtype)
-        loaded_target = models.load(target, torch_device, torch_dtype, progress)
+        loaded_target = models.load(target, torch_device, torch_dtype, progress, runner, "target")
         loaded_draft, kind = None, None
         if draft is not None and draft.lower() == "ngram":
             kind = "ngram"
         elif draft is not None and draft.lower() != "none":
-            loaded_draft = models.load(draft, torch_device, torch_dtype, progress)
+            loaded_draft = models.load(draft, torch_device, torch_dtype, progress, draft_runner, "draft")
         return cls(loaded_target, loaded_draft, gamma=gamma, drafter=kind)
 
     def _engine(self, config: SpecConfig) -> SpecEngine:

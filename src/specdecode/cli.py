@@ -23,6 +23,8 @@ def _add_model_args(p: argparse.ArgumentParser, draft_default: str | None = pack
     p.add_argument("--target", default=packs.DEFAULT_TARGET, help="target model: pack name, .gguf, directory or hub id (default: %(default)s)")
     p.add_argument("--draft", default=draft_default, help="draft model reference, 'ngram' for prompt lookup, or 'none' for plain decoding (default: %(default)s)")
     p.add_argument("--gamma", type=int, default=5, help="tokens drafted per step (default: %(default)s)")
+    p.add_argument("--runner", default="auto", help="target runner: auto, hf or int8 (default: %(default)s; auto = int8 on CPU in float32)")
+    p.add_argument("--draft-runner", default="auto", help="draft runner: auto, hf, int8 or llamacpp (default: %(default)s; auto = llamacpp for a GGUF draft when installed, else int8, on CPU)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64 (default: %(default)s)")
 
@@ -119,7 +121,8 @@ def _generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     t0 = time.perf_counter()
     gen = SpeculativeGenerator.from_pretrained(
-        args.target, args.draft, gamma=args.gamma, device=args.device, dtype=args.dtype, progress=not args.json
+        args.target, args.draft, gamma=args.gamma, device=args.device, dtype=args.dtype,
+        runner=args.runner, draft_runner=args.draft_runner, progress=not args.json,
     )
     if not args.json:
         print(f"[loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr, flush=True)

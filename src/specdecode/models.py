@@ -23,11 +23,54 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEVICES = ("cpu", "cuda")
 
 
+RUNNERS = ("auto", "hf", "int8", "llamacpp")
+
+
 @dataclass
 class LoadedModel:
     name: str
-    model: object  # transformers PreTrainedModel
+    model: object | None  # transformers PreTrainedModel (None for a llama.cpp draft)
     tokenizer: object  # transformers tokenizer
+    runner: str = "hf"  # hf | int8 | llamacpp
+    gguf_path: str | None = None  # for the llamacpp runner
+
+    def make_runner(self):
+        if self.runner == "llamacpp":
+            from .runners.llamacpp import LlamaCppRunner
+
+            return LlamaCppRunner(self.gguf_path)
+        from .runners.hf import HFRunner
+
+        return HFRunner(self.model)
+
+
+def choose_runner(requested: str, device: torch.device, dtype: torch.dtype, reference: str, role: str) -> str:
+    """auto: on CPU in float32, int8 for a target; llama.cpp for a GGUF draft when installed, else int8."""
+    if requested not in RUNNERS:
+        raise SpecDecodeError(f"unknown runner '{requested}' (choose from {', '.join(RUNNERS)})", field="runner")
+    if requested == "llamacpp" and role == "target":
+        raise SpecDecodeError("the llamacpp runner is not batch-invariant, so it may only run drafts (--draft-runner)",
+                              field="runner")
+    if requested in ("int8", "llamacpp") and device.type != "cpu":
+        raise SpecDecodeError(f"the {requested} runner is CPU-only", field="runner")
+    if requested != "auto":
+        return requested
+    if device.type != "cpu" or dtype != torch.float32:
+        return "hf"
+    from .runners.int8 import int8_available
+    from .runners.llamacpp import llamacpp_available
+
+    if role == "draft" and llamacpp_available() and gguf_source(reference) is not None:
+        return "llamacpp"
+    return "int8" if int8_available() else "hf"
+
+
+def gguf_source(reference: str) -> Path | None:
+    """The GGUF file behind a reference (a pack or a .gguf path), or None."""
+    if packs.get_pack(reference) is not None:
+        return packs.assembled_path(packs.get_pack(reference))
+    path = Path(reference).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -61,9 +104,15 @@ def resolve(reference: str, progress: bool = True) -> tuple[str, dict]:
     return reference, {}  # a hub id
 
 
-def load(reference: str, device: torch.device, dtype: torch.dtype, progress: bool = True) -> LoadedModel:
+def load(reference: str, device: torch.device, dtype: torch.dtype, progress: bool = True,
+         runner: str = "hf", role: str = "target") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    runner = choose_runner(runner, device, dtype, reference, role)
+    if runner == "llamacpp":
+        return _load_llamacpp(reference, progress)
+    if runner == "int8" and dtype != torch.float32:
+        raise SpecDecodeError("the int8 runner quantises from float32; use --dtype float32", field="dtype")
     location, extra = resolve(reference, progress)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **extra)
@@ -74,7 +123,30 @@ def load(reference: str, device: torch.device, dtype: torch.dtype, progress: boo
             f"unknown model '{reference}': not a model pack (see `specdecode models list`), local path, "
             f"or loadable hub id ({first[:200]})"
         ) from None
-    return LoadedModel(reference, model.to(device).eval(), tokenizer)
+    model = model.to(device).eval()
+    if runner == "int8":
+        from .runners.int8 import prepare_int8
+
+        prepare_int8(model)
+    return LoadedModel(reference, model, tokenizer, runner)
+
+
+def _load_llamacpp(reference: str, progress: bool) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    pack = packs.get_pack(reference)
+    if pack is not None:
+        gguf = packs.ensure_assembled(pack, progress)
+    else:
+        gguf = gguf_source(reference)
+        if gguf is None:
+            raise SpecDecodeError(f"the llamacpp runner needs a pack name or a .gguf file, got '{reference}'", field="draft")
+    converted = packs.converted_path(pack) if pack is not None else None
+    if converted is not None and (converted / "tokenizer.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(converted))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return LoadedModel(reference, None, tokenizer, "llamacpp", str(gguf))
 
 
 def _converted_gguf(path: Path, progress: bool) -> Path:

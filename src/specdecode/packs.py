@@ -35,6 +35,7 @@ class ModelPack:
     parts: int
     size: int
     sha256: str
+    eos_tokens: tuple[str, ...] = ()  # end-of-text tokens the upstream generation config declares
 
     @property
     def gguf_name(self) -> str:
@@ -57,6 +58,7 @@ PACKS: dict[str, ModelPack] = {
             parts=22,
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            eos_tokens=("<|im_end|>", "<|endoftext|>"),
         ),
         ModelPack(
             name="qwen2.5-coder-0.5b-instruct",
@@ -67,6 +69,7 @@ PACKS: dict[str, ModelPack] = {
             parts=6,
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            eos_tokens=("<|im_end|>", "<|endoftext|>"),
         ),
     )
 }
@@ -161,11 +164,23 @@ def ensure_assembled(pack: ModelPack, progress: bool = True) -> Path:
 def ensure_converted(pack: ModelPack, progress: bool = True) -> Path:
     """Directory with config, tokenizer and fp32 safetensors for the pack (converted once)."""
     out = converted_path(pack)
-    if is_converted(pack):
-        return out
-    gguf_path = ensure_assembled(pack, progress)
-    convert_gguf(gguf_path, out, progress)
+    if not is_converted(pack):
+        convert_gguf(ensure_assembled(pack, progress), out, progress)
+    _declare_eos(pack, out)
     return out
+
+
+def _declare_eos(pack: ModelPack, folder: Path) -> None:
+    """The GGUF metadata names one EOS; write the pack's full list into generation_config.json."""
+    if not pack.eos_tokens:
+        return
+    vocab = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    ids = [t["id"] for name in pack.eos_tokens for t in vocab if t["content"] == name]
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text())
+    if config.get("eos_token_id") != ids:
+        config["eos_token_id"] = ids
+        path.write_text(json.dumps(config, indent=2))
 
 
 def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:

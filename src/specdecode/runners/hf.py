@@ -21,7 +21,7 @@ class HFRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         config = model.config.get_text_config()
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = int(model.get_output_embeddings().out_features)
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self.cache: DynamicCache | None = None
         self._batch = 1

@@ -1,0 +1,114 @@
+"""A fast, batch-invariant CPU path: int8 weights with per-token int8 activations (fbgemm).
+
+Glossary:
+- *per-channel weight scale*: each output row of a Linear is stored as int8 with its own scale.
+- *per-token activation scale*: each token's input vector is quantised with its own scale, so
+  a token's result never depends on which other tokens share the matmul. torch's dynamic int8
+  Linear picks one scale for the whole input (min/max over every token), which makes a
+  position's logits depend on its block and breaks exact speculative decoding.
+- *anchor row*: to get per-token scales out of that per-tensor kernel, every token is first
+  scaled to the same absolute maximum ``ANCHOR`` and one extra row holding ``-ANCHOR`` and
+  ``+ANCHOR`` is added; the kernel's min/max (hence its scale and zero point) are then the same
+  for every call, each token's quantisation depends on that token alone, the integer
+  accumulation is exact, and the result is scaled back per token. A position's logits are then
+  bit-identical whether it is scored alone or inside a block.
+
+- *row-wise attention*: quantisation turns a one-ulp difference upstream into a whole quantum,
+  so attention must be bit-identical too. transformers' SDPA path takes a different route for
+  one query than for many (packed GQA vs repeated KV, different kernels), so this path scores
+  each query row with its own single-query attention over exactly the keys it may see: the
+  same call, with the same shapes, as when that token is decoded alone.
+
+The transform replaces the ``nn.Linear`` modules of a loaded model once (nothing is restored
+later) and selects the row-wise attention; norms and embeddings stay in fp32.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+ANCHOR = 16.0
+
+
+def int8_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+class PerTokenInt8Linear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().to(torch.float32)
+        scale = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(torch.float64)  # [out]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # quantized tensor constructors warn about a future deprecation
+            qweight = torch.quantize_per_channel(weight, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+            self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.float32).clone()
+        self.register_buffer("bias", bias)
+        anchor = torch.zeros(1, self.in_features)
+        anchor[0, 0], anchor[0, 1] = -ANCHOR, ANCHOR
+        self.register_buffer("_anchor", anchor, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features).to(torch.float32)  # [M, in]
+        amax = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)  # [M, 1]
+        normalised = rows * (ANCHOR / amax)
+        out = torch.ops.quantized.linear_dynamic(torch.cat([self._anchor, normalised]), self._packed, False)[1:]
+        out = out * (amax / ANCHOR)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+
+ROWWISE_ATTENTION = "specdecode_rowwise"
+
+
+def rowwise_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """query [B, H, q, D] for the last q positions; key/value [B, Hkv, kv, D] -> ([B, q, H, D], None)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    rows = []
+    for i in range(q_len):
+        visible = kv_len - (q_len - 1 - i)  # causal: row i sees keys up to its own position
+        rows.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, i : i + 1], key[:, :, :visible], value[:, :, :visible], scale=scaling
+            )
+        )
+    out = torch.cat(rows, dim=2) if q_len > 1 else rows[0]  # [B, H, q, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_rowwise_attention(model: nn.Module) -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ROWWISE_ATTENTION, rowwise_attention)
+    model.set_attn_implementation(ROWWISE_ATTENTION)
+
+
+def prepare_int8(model: nn.Module) -> nn.Module:
+    """The full CPU path: int8 per-token linears and row-wise attention."""
+    quantize_linears(model)
+    use_rowwise_attention(model)
+    return model
+
+
+def quantize_linears(model: nn.Module) -> nn.Module:
+    """Replace every nn.Linear of a float32 CPU model by PerTokenInt8Linear; returns the model."""
+    if not int8_available():
+        raise RuntimeError("this torch build has no fbgemm quantized engine")
+    torch.backends.quantized.engine = "fbgemm"
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, PerTokenInt8Linear(module))
+    return model

@@ -1,0 +1,80 @@
+"""A Runner over llama.cpp (llama-cpp-python) for GGUF drafts.
+
+Glossary: llama.cpp's CPU kernels differ by how many tokens a call scores (one token, a few,
+eight or more), so a position's logits depend on its block: fine for a *drafter*, whose
+numerics never change the output, but not for a target. ``specdecode`` therefore uses it for
+drafts only. Truncation removes KV entries past the kept length (``llama_memory_seq_rm``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from ..errors import SpecDecodeError
+
+
+def llamacpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class LlamaCppRunner:
+    def __init__(self, gguf_path: str, n_ctx: int = 4096, threads: int | None = None, n_batch: int = 512):
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise SpecDecodeError('the llamacpp runner needs llama-cpp-python: pip install "specdecode[llamacpp]"') from None
+        threads = threads or max(1, len(os.sched_getaffinity(0)))
+        self.llm = Llama(gguf_path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+                         n_threads_batch=threads, logits_all=False, verbose=False)
+        self.vocab_size = int(self.llm.n_vocab())
+        self.max_context = n_ctx
+        self.device = torch.device("cpu")
+        self._n_batch = n_batch
+        self._length = 0
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([self._length])
+
+    def reset(self, batch_size: int = 1) -> None:
+        if batch_size != 1:
+            raise ValueError("the llamacpp runner decodes one row")
+        self.llm._ctx.kv_cache_seq_rm(0, 0, -1)
+        self._length = 0
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:  # [1, T] -> [1, V]
+        self.reset(ids.shape[0])
+        return self._decode(ids[0].tolist(), all_logits=False)[None, -1]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [1, S] -> [1, S, V]
+        if ids.shape[0] != 1:
+            raise ValueError("the llamacpp runner decodes one row")
+        return self._decode(ids[0].tolist(), all_logits=True)[None]
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        keep = int(lengths[0])
+        if not 0 <= keep <= self._length:
+            raise ValueError(f"cannot truncate a cache of {self._length} tokens to {keep}")
+        self.llm._ctx.kv_cache_seq_rm(0, keep, -1)
+        self._length = keep
+
+    def _decode(self, tokens: list[int], all_logits: bool) -> torch.Tensor:
+        if self._length + len(tokens) > self.max_context:
+            raise SpecDecodeError(f"context of {self._length + len(tokens)} tokens exceeds the draft's {self.max_context}")
+        out = []
+        for start in range(0, len(tokens), self._n_batch):
+            chunk = tokens[start : start + self._n_batch]
+            self.llm._batch.set_batch(chunk, n_past=self._length, logits_all=all_logits)
+            self.llm._ctx.decode(self.llm._batch)
+            rows = len(chunk) if all_logits else 1
+            logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(rows * self.vocab_size,))
+            out.append(torch.from_numpy(logits.reshape(rows, self.vocab_size).copy()))
+            self._length += len(chunk)
+        return torch.cat(out) if all_logits else out[-1]
