@@ -13,7 +13,7 @@ from specdecode.models import LoadedModel
 
 from helpers import char_tokenizer, perturbed, tiny_model
 
-ALL = ["ar", "draft", "ngram", "hf", "hf-assisted", "hf-lookup"]
+ALL = ["ar", "draft", "draft-hf", "draft-auto", "ngram", "hybrid", "hf", "hf-assisted", "hf-lookup"]
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,9 @@ def ctx():
     target = tiny_model("llama", seed=41, vocab_size=len(tok.get_vocab()))
     draft = perturbed(target, 0.03, seed=42)
     t, d = LoadedModel("t", target, tok), LoadedModel("d", draft, tok)
-    return BenchContext(SpeculativeGenerator(t, d, gamma=3), SpeculativeGenerator(t, None),
-                        SpeculativeGenerator(t, None, gamma=3, drafter="ngram"))
+    spec = SpeculativeGenerator(t, d, gamma=3)
+    return BenchContext(spec, spec.variant(None), spec.variant("ngram"), None, spec.variant("hybrid"),
+                        spec.variant("model", gamma="auto"))
 
 
 @pytest.fixture

@@ -157,3 +157,21 @@ def test_ngram_drafter_sampling_matches_target_joint():
     counts = sample_engine(engine, params, SAMPLES)
     tv, threshold, p_value, outside = compare(joint, counts, SAMPLES)
     assert outside == 0 and tv < threshold and p_value > P_VALUE_FLOOR, (tv, threshold, p_value)
+
+
+@pytest.mark.parametrize("variant", ["hybrid", "adaptive", "confidence"])
+def test_other_drafting_modes_sample_the_target_joint(variant):
+    from specdecode.drafters.hybrid import HybridDrafter
+    from specdecode.drafters.ngram import NgramDrafter
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=WINDOW)
+    target, draft = make_pair()
+    if variant == "hybrid":
+        drafter, config = HybridDrafter(ModelDrafter(draft), NgramDrafter(VOCAB, max_n=2), min_lookup=2), SpecConfig(gamma=GAMMA)
+    elif variant == "adaptive":
+        drafter, config = ModelDrafter(draft), SpecConfig(gamma="auto", max_gamma=GAMMA)
+    else:
+        drafter, config = ModelDrafter(draft, min_confidence=0.4), SpecConfig(gamma=GAMMA)
+    engine = SpecEngine(target, drafter, config)
+    tv, threshold, p_value, outside = compare(exact_joint(target, params), sample_engine(engine, params, SAMPLES), SAMPLES)
+    assert outside == 0 and tv < threshold and p_value > P_VALUE_FLOOR, (variant, tv, threshold, p_value)

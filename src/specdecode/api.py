@@ -20,6 +20,7 @@ import torch
 from . import models, packs
 from .config import SamplingParams, SpecConfig
 from .drafters import ModelDrafter
+from .drafters.hybrid import HybridDrafter
 from .drafters.ngram import NgramDrafter
 from .engine import GenerationStats, SpecEngine
 from .errors import SpecDecodeError
@@ -70,33 +71,41 @@ class SpeculativeGenerator:
         self,
         target: models.LoadedModel,
         draft: models.LoadedModel | None = None,
-        gamma: int = 5,
+        gamma: int | str = 5,
         drafter: str | None = None,
+        draft_confidence: float = 0.0,
+        runners: tuple | None = None,
     ):
-        """drafter: "model" (the draft model; the default when one is given), "ngram" or None (plain)."""
+        """runners: (target runner, draft runner) to share with another generator (see ``variant``).
+        drafter: "model" (the draft model; the default when one is given), "ngram", "hybrid"
+        (n-gram lookup when it finds a continuation, else the draft model) or None (plain).
+        gamma: tokens drafted per step, or "auto" for the adaptive policy."""
         self.target = target
         self.draft = draft
-        self.spec_config = SpecConfig(gamma=gamma)
+        self.spec_config = SpecConfig(gamma=gamma, draft_confidence=draft_confidence)
         self.tokenizer = target.tokenizer
         self.eos_ids = models.eos_token_ids(target)
         if target.runner == "llamacpp":
             raise SpecDecodeError("the llamacpp runner may only run drafts", field="runner")
-        self.target_runner = target.make_runner()
+        self.target_runner, self._draft_runner = runners or (target.make_runner(), None)
         self.drafter = None
         kind = drafter or ("model" if draft is not None else None)
-        if kind not in (None, "model", "ngram"):
-            raise SpecDecodeError(f"unknown drafter '{kind}' (choose model or ngram)", field="draft")
+        if kind not in (None, "model", "ngram", "hybrid"):
+            raise SpecDecodeError(f"unknown drafter '{kind}' (choose model, ngram or hybrid)", field="draft")
         if kind == "ngram":
             self.drafter = NgramDrafter(self.target_runner.vocab_size)
-        elif kind == "model":
+        elif kind in ("model", "hybrid"):
             if draft is None:
-                raise SpecDecodeError("the model drafter needs a draft model", field="draft")
+                raise SpecDecodeError(f"the {kind} drafter needs a draft model", field="draft")
             if not models.same_vocabulary(target.tokenizer, draft.tokenizer):
                 raise SpecDecodeError(
                     f"draft '{draft.name}' and target '{target.name}' have different vocabularies; "
                     "speculative decoding needs the same tokenizer"
                 )
-            self.drafter = ModelDrafter(draft.make_runner())
+            self._draft_runner = self._draft_runner or draft.make_runner()
+            self.drafter = ModelDrafter(self._draft_runner, min_confidence=draft_confidence)
+            if kind == "hybrid":
+                self.drafter = HybridDrafter(self.drafter, NgramDrafter(self.target_runner.vocab_size))
         self.drafter_kind = kind
         self._sync = torch.cuda.synchronize if self.target_runner.device.type == "cuda" else None
         self.engine = self._engine(self.spec_config)
@@ -107,7 +116,9 @@ class SpeculativeGenerator:
         target: str = packs.DEFAULT_TARGET,
         draft: str | None = packs.DEFAULT_DRAFT,
         *,
-        gamma: int = 5,
+        gamma: int | str = 5,
+        drafter: str | None = None,
+        draft_confidence: float = 0.0,
         device: str = "cpu",
         dtype: str = "float32",
         runner: str = "auto",
@@ -116,15 +127,24 @@ class SpeculativeGenerator:
     ) -> "SpeculativeGenerator":
         """runner / draft_runner: auto, hf (transformers as loaded), int8 (fast batch-invariant CPU
         path) or llamacpp (drafts only). auto picks int8 / llama.cpp on CPU in float32."""
-        SpecConfig(gamma=gamma)  # validate before the slow part
+        SpecConfig(gamma=gamma, draft_confidence=draft_confidence)  # validate before the slow part
         torch_device, torch_dtype = models.parse_device(device), models.parse_dtype(dtype)
         loaded_target = models.load(target, torch_device, torch_dtype, progress, runner, "target")
-        loaded_draft, kind = None, None
+        loaded_draft, kind = None, drafter
         if draft is not None and draft.lower() == "ngram":
             kind = "ngram"
         elif draft is not None and draft.lower() != "none":
             loaded_draft = models.load(draft, torch_device, torch_dtype, progress, draft_runner, "draft")
-        return cls(loaded_target, loaded_draft, gamma=gamma, drafter=kind)
+        return cls(loaded_target, loaded_draft, gamma=gamma, drafter=kind, draft_confidence=draft_confidence)
+
+    def variant(self, drafter: str | None, gamma: int | str | None = None, draft_confidence: float | None = None):
+        """Another generator over the same loaded models and runners (one request at a time across both)."""
+        return SpeculativeGenerator(
+            self.target, self.draft if drafter in ("model", "hybrid") else None,
+            gamma=self.spec_config.gamma if gamma is None else gamma, drafter=drafter,
+            draft_confidence=self.spec_config.draft_confidence if draft_confidence is None else draft_confidence,
+            runners=(self.target_runner, self._draft_runner),
+        )
 
     def _engine(self, config: SpecConfig) -> SpecEngine:
         return SpecEngine(self.target_runner, self.drafter, config, sync=self._sync)
@@ -151,12 +171,13 @@ class SpeculativeGenerator:
         params: SamplingParams | None = None,
         *,
         chat: bool = False,
-        gamma: int | None = None,
+        gamma: int | str | None = None,
         **sampling,
     ) -> GenerationStream:
         """Start a request; iterate the returned stream for text as it is committed."""
         params = params or SamplingParams(**_stop_tuple(sampling))
-        engine = self.engine if gamma is None else self._engine(SpecConfig(gamma=gamma))
+        engine = self.engine if gamma is None else self._engine(
+            SpecConfig(gamma=gamma, draft_confidence=self.spec_config.draft_confidence))
         prompt_ids = self.encode(prompt, chat)
         engine.check_fits(len(prompt_ids), params.max_new_tokens)
         stream = GenerationStream(iter(()))

@@ -22,7 +22,13 @@ class _Parser(argparse.ArgumentParser):
 def _add_model_args(p: argparse.ArgumentParser, draft_default: str | None = packs.DEFAULT_DRAFT) -> None:
     p.add_argument("--target", default=packs.DEFAULT_TARGET, help="target model: pack name, .gguf, directory or hub id (default: %(default)s)")
     p.add_argument("--draft", default=draft_default, help="draft model reference, 'ngram' for prompt lookup, or 'none' for plain decoding (default: %(default)s)")
-    p.add_argument("--gamma", type=int, default=5, help="tokens drafted per step (default: %(default)s)")
+    p.add_argument("--gamma", default="5", help="tokens drafted per step, or 'auto' to adapt it each step to maximise "
+                   "tokens/s (up to 8; falls back to plain decoding while drafting does not pay) (default: %(default)s)")
+    p.add_argument("--drafter", default="model", choices=("model", "ngram", "hybrid"),
+                   help="model: the draft model; ngram: prompt lookup (no draft model); hybrid: lookup when it finds "
+                   "a continuation of 3+ tokens, else the draft model (default: %(default)s)")
+    p.add_argument("--draft-confidence", type=float, default=0.0,
+                   help="stop drafting after a token the draft model gave less than this probability (default: %(default)s = off)")
     p.add_argument("--runner", default="auto", help="target runner: auto, hf or int8 (default: %(default)s; auto = int8 on CPU in float32)")
     p.add_argument("--draft-runner", default="auto", help="draft runner: auto, hf, int8 or llamacpp (default: %(default)s; auto = llamacpp for a GGUF draft when installed, else int8, on CPU)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
@@ -59,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     _add_sampling_args(bench)
     _add_suite_args(bench, limit=10)
-    bench.add_argument("--methods", default="ar,draft,ngram,hf,hf-assisted,hf-lookup",
+    bench.add_argument("--methods", default="ar,draft,draft-hf,ngram,hf,hf-assisted,hf-lookup",
                        help="comma-separated methods (default: %(default)s)")
     bench.add_argument("--out", default="bench-out/bench.json", help="JSON results; the .md report and PNG plots go beside it")
     bench.add_argument("--no-cost-model", action="store_true", help="skip the k-token cost curve measurement")
@@ -68,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(tune)
     _add_sampling_args(tune)
     _add_suite_args(tune, limit=3)
+
+    quality = sub.add_parser("quality", help="top-1 agreement of the int8 CPU path with float32 on HumanEval")
+    quality.add_argument("--target", default=packs.DEFAULT_TARGET, help="model reference (default: %(default)s)")
+    quality.add_argument("--limit", type=int, default=20, help="HumanEval tasks (default: %(default)s)")
+    quality.add_argument("--offset", type=int, default=0, help="first task (default: %(default)s)")
+    quality.add_argument("--out", default=None, help="write the JSON result here too")
 
     mod = sub.add_parser("models", help="list model packs or print a pack's file path")
     mod_sub = mod.add_subparsers(dest="models_command", parser_class=_Parser)
@@ -87,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             from .bench.command import run_command
 
             return run_command(args, _sampling_from(args), " ".join(["specdecode", *(argv if argv is not None else sys.argv[1:])]))
+        if args.command == "quality":
+            return _quality(args)
         if args.command == "models":
             return _models(args, parser)
         parser.print_help()
@@ -112,16 +126,33 @@ def _sampling_from(args):
     )
 
 
+def _gamma(text: str) -> int | str:
+    return text if text == "auto" else int(text) if text.lstrip("-").isdigit() else text
+
+
+def _draft_reference(args) -> str | None:
+    return None if args.drafter == "ngram" else args.draft
+
+
+def _drafter_kind(args) -> str | None:
+    if args.drafter == "ngram" or (args.draft or "").lower() == "ngram":
+        return "ngram"
+    if (args.draft or "none").lower() == "none":
+        return None
+    return args.drafter
+
+
 def _generate(args) -> int:
     from .api import SpeculativeGenerator
     from .config import SpecConfig
 
     params = _sampling_from(args)
-    SpecConfig(gamma=args.gamma)
+    SpecConfig(gamma=args.gamma, draft_confidence=args.draft_confidence)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     t0 = time.perf_counter()
     gen = SpeculativeGenerator.from_pretrained(
-        args.target, args.draft, gamma=args.gamma, device=args.device, dtype=args.dtype,
+        args.target, _draft_reference(args), gamma=_gamma(args.gamma), drafter=_drafter_kind(args),
+        draft_confidence=args.draft_confidence, device=args.device, dtype=args.dtype,
         runner=args.runner, draft_runner=args.draft_runner, progress=not args.json,
     )
     if not args.json:
@@ -147,6 +178,21 @@ def _generate(args) -> int:
             f"draft {s.draft_seconds:.2f}s verify {s.verify_seconds:.2f}s; finish={result.finish_reason}]",
             file=sys.stderr,
         )
+    return 0
+
+
+def _quality(args) -> int:
+    from .bench.quality import top1_agreement
+
+    if args.limit < 1 or args.offset < 0:
+        raise SpecDecodeError("--limit must be >= 1 and --offset >= 0")
+    result = top1_agreement(args.target, args.limit, args.offset)
+    print(f"{result['model']}: int8 vs float32 top-1 agreement {result['top1_agreement']:.4f} over "
+          f"{result['positions']} positions of {result['tasks']} HumanEval solutions; "
+          f"mean KL(float32 || int8) {result['mean_kl_float32_to_int8']:.4f} nats")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
     return 0
 
 

@@ -53,13 +53,38 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Engine settings that do not change per token."""
+    """Engine settings that do not change per token.
 
-    gamma: int = 5
+    gamma: tokens drafted per step, or "auto" for the adaptive policy (up to max_gamma).
+    draft_confidence: a draft model stops drafting after a token it gave less than this probability.
+    """
+
+    gamma: int | str = 5
+    max_gamma: int = 8
+    draft_confidence: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.gamma, int) or isinstance(self.gamma, bool) or self.gamma < 1:
-            raise SpecDecodeError(f"gamma must be an integer >= 1, got {self.gamma!r}", field="gamma")
+        if isinstance(self.gamma, str):
+            if self.gamma != "auto":
+                try:
+                    object.__setattr__(self, "gamma", int(self.gamma))
+                except ValueError:
+                    raise SpecDecodeError(f"gamma must be an integer >= 1 or 'auto', got {self.gamma!r}", field="gamma") from None
+        if self.gamma != "auto" and (not isinstance(self.gamma, int) or isinstance(self.gamma, bool) or self.gamma < 1):
+            raise SpecDecodeError(f"gamma must be an integer >= 1 or 'auto', got {self.gamma!r}", field="gamma")
+        if not isinstance(self.max_gamma, int) or not 1 <= self.max_gamma <= 32:
+            raise SpecDecodeError(f"max_gamma must be an integer in 1..32, got {self.max_gamma!r}", field="max_gamma")
+        _check_number("draft_confidence", self.draft_confidence)
+        if not 0 <= self.draft_confidence < 1:
+            raise SpecDecodeError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}", field="draft_confidence")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.gamma == "auto"
+
+    @property
+    def longest_draft(self) -> int:
+        return self.max_gamma if self.adaptive else int(self.gamma)
 
 
 def _check_number(name: str, value: object) -> None:

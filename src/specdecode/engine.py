@@ -23,6 +23,7 @@ import torch
 from .config import SamplingParams, SpecConfig
 from .drafters import Draft, Drafter
 from .errors import SpecDecodeError
+from .policy import AdaptiveGamma, FixedGamma
 from .runners import Runner
 from .verify import VerifyResult, verify
 
@@ -106,6 +107,7 @@ class SpecEngine:
         self.config = config
         self.verifier = verifier
         self._sync = sync or (lambda: None)
+        self.policy = AdaptiveGamma(max_gamma=config.max_gamma) if config.adaptive else FixedGamma(int(config.gamma))
 
     def generate(
         self,
@@ -120,7 +122,8 @@ class SpecEngine:
             raise ValueError("prompt_ids must have shape [1, T] with T >= 1")
         self.check_fits(prompt_ids.shape[1], params.max_new_tokens)
         stats = stats if stats is not None else GenerationStats()
-        gamma = self.config.gamma if self.drafter is not None else 0
+        gamma = self.config.longest_draft if self.drafter is not None else 0
+        policy = self._request_policy()
         stats.accepted_by_position = [0] * gamma
         stats.drafted_by_position = [0] * gamma
         generators = [generator or _seeded_generator(params.seed, self.target.device)]
@@ -131,10 +134,13 @@ class SpecEngine:
         try:
             while True:
                 remaining = params.max_new_tokens - stats.new_tokens
-                k = min(gamma, remaining - 1)
+                k = policy.choose(remaining) if gamma else 0
+                spent = (stats.draft_seconds, stats.verify_seconds)
                 draft = self._propose(context, k, params, generators, stats)
                 result = self._verify(context, draft, params, generators, stats)
                 new_tokens = self._commit(context, draft, result, stats)
+                policy.update(draft.tokens.shape[1], int(result.num_accepted[0]),
+                              stats.draft_seconds - spent[0], stats.verify_seconds - spent[1])
                 context = torch.cat([context, torch.tensor([new_tokens])], dim=1)
                 new_tokens, finish = _stop_check(new_tokens, eos, remaining)
                 stats.new_tokens += len(new_tokens)
@@ -153,6 +159,14 @@ class SpecEngine:
                 f"the target's context of {limit} tokens",
                 field="max_new_tokens" if prompt_length < limit else "prompt",
             )
+
+    def _request_policy(self):
+        """Adaptive: keep the measured costs across requests, restart the acceptance estimates."""
+        if isinstance(self.policy, AdaptiveGamma):
+            fresh = AdaptiveGamma(max_gamma=self.policy.max_gamma)
+            fresh.draft_cost, fresh.pass_cost = self.policy.draft_cost, self.policy.pass_cost
+            self.policy = fresh
+        return self.policy
 
     # -- phases ---------------------------------------------------------------------------
 

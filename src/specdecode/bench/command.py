@@ -22,12 +22,21 @@ def _load(args):
 
     from ..api import SpeculativeGenerator
 
+    from .. import models
+
     spec = SpeculativeGenerator.from_pretrained(args.target, args.draft, gamma=args.gamma, device=args.device,
-                                                dtype=args.dtype, progress=True)
-    plain = SpeculativeGenerator(spec.target, None)
-    ngram = SpeculativeGenerator(spec.target, None, gamma=args.gamma, drafter="ngram")
+                                                dtype=args.dtype, runner=args.runner, draft_runner=args.draft_runner)
+    plain = spec.variant(None)
+    ngram = spec.variant("ngram")
+    hybrid = spec.variant("hybrid") if spec.draft is not None else None
+    auto = spec.variant("model", gamma="auto") if spec.draft is not None else None
+    hf_draft = None
+    if spec.draft is not None and spec.draft.model is None:  # a llama.cpp draft: load its transformers twin
+        twin = models.load(args.draft, models.parse_device(args.device), models.parse_dtype(args.dtype),
+                           runner=spec.target.runner, role="draft")
+        hf_draft = SpeculativeGenerator(spec.target, twin, gamma=args.gamma, runners=(spec.target_runner, None))
     sync = torch.cuda.synchronize if spec.target_runner.device.type == "cuda" else (lambda: None)
-    return BenchContext(spec, plain, ngram, sync)
+    return BenchContext(spec, plain, ngram, hf_draft, hybrid, auto, sync)
 
 
 def parse_methods(text: str, has_draft: bool) -> list[str]:
@@ -43,6 +52,9 @@ def parse_methods(text: str, has_draft: bool) -> list[str]:
 
 
 def run_command(args, params: SamplingParams, command_line: str) -> int:
+    args.gamma = int(args.gamma) if args.gamma.isdigit() else args.gamma
+    if args.gamma == "auto":
+        raise SpecDecodeError("bench runs fixed-gamma methods; the adaptive one is the method draft-auto", field="gamma")
     SpecConfig(gamma=args.gamma)
     has_draft = args.draft is not None and args.draft.lower() not in ("none", "ngram")
     methods = parse_methods(args.methods, has_draft) if args.command == "bench" else ["ar", "draft"]
@@ -58,6 +70,7 @@ def run_command(args, params: SamplingParams, command_line: str) -> int:
         "device": args.device, "dtype": args.dtype, "suite": args.suite, "prompts": len(prompts), "offset": args.offset,
         "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_k": params.top_k,
         "top_p": params.top_p, "seed": params.seed, "methods": methods,
+        "runner": ctx.spec.target.runner, "draft_runner": ctx.spec.draft.runner if ctx.spec.draft else None,
         "hf_defaults": "assisted: transformers defaults; lookup: prompt_lookup_num_tokens=10",
     }
     if has_draft and not getattr(args, "no_cost_model", False):

@@ -2,8 +2,11 @@
 
 Glossary:
 - ``ar``: our engine with no drafter, the baseline of every ratio;
-- ``draft``: our engine with the draft model at a fixed gamma;
+- ``draft``: our engine with the draft model at a fixed gamma (its own runner, e.g. llama.cpp);
+- ``draft-hf``: our engine with the draft as the transformers module hf-assisted gets;
 - ``ngram``: our engine with n-gram prompt lookup (no draft model);
+- ``hybrid``: lookup when it finds a continuation, else the draft model;
+- ``draft-auto``: the draft model with the adaptive draft length (``--gamma auto``);
 - ``hf``, ``hf-assisted``, ``hf-lookup``: transformers ``generate`` plain, with the draft as
   ``assistant_model``, and with ``prompt_lookup_num_tokens`` (Hugging Face's defaults otherwise).
 A drafter added later registers its method with ``@register("name")``.
@@ -28,7 +31,15 @@ class BenchContext:
     spec: SpeculativeGenerator  # target + draft
     plain: SpeculativeGenerator  # the same target, no drafter
     ngram: SpeculativeGenerator  # the same target, n-gram prompt lookup
+    hf_draft: SpeculativeGenerator | None = None  # the same target with the transformers draft module
+    hybrid: SpeculativeGenerator | None = None  # lookup when it finds a continuation, else the draft
+    auto: SpeculativeGenerator | None = None  # the draft model with adaptive gamma
     sync: Callable[[], None] = lambda: None
+
+    @property
+    def hf_draft_model(self):
+        """The draft as a transformers module (what hf-assisted gets; same quantisation as ours)."""
+        return (self.hf_draft or self.spec).draft.model
 
 
 @dataclass
@@ -67,6 +78,22 @@ def run_ar(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> 
 @register("draft")
 def run_draft(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
     return _ours(ctx.spec, prompt_ids, params, ctx)
+
+
+@register("draft-hf")
+def run_draft_hf(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
+    """Our engine with exactly the draft module hf-assisted uses: compares algorithms, not kernels."""
+    return _ours(ctx.hf_draft or ctx.spec, prompt_ids, params, ctx)
+
+
+@register("hybrid")
+def run_hybrid(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
+    return _ours(ctx.hybrid, prompt_ids, params, ctx)
+
+
+@register("draft-auto")
+def run_draft_auto(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
+    return _ours(ctx.auto, prompt_ids, params, ctx)
 
 
 @register("ngram")
@@ -110,7 +137,7 @@ def run_hf(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> 
 
 @register("hf-assisted")
 def run_hf_assisted(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
-    return _hf(ctx, prompt_ids, params, assistant_model=ctx.spec.draft.model)
+    return _hf(ctx, prompt_ids, params, assistant_model=ctx.hf_draft_model)
 
 
 @register("hf-lookup")
@@ -118,4 +145,4 @@ def run_hf_lookup(ctx: BenchContext, prompt_ids: list[int], params: SamplingPara
     return _hf(ctx, prompt_ids, params, prompt_lookup_num_tokens=HF_LOOKUP_TOKENS)
 
 
-NEEDS_DRAFT = {"draft", "hf-assisted"}
+NEEDS_DRAFT = {"draft", "draft-hf", "draft-auto", "hybrid", "hf-assisted"}

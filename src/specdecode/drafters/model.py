@@ -19,8 +19,11 @@ from .base import Draft
 
 
 class ModelDrafter:
-    def __init__(self, runner: Runner):
+    def __init__(self, runner: Runner, min_confidence: float = 0.0):
+        """min_confidence: stop drafting after a token the draft gave less than this probability
+        (the token itself is still proposed; the decision never depends on later draws)."""
         self.runner = runner
+        self.min_confidence = min_confidence
         self.vocab_size = runner.vocab_size
         self._context_length = 0  # committed tokens at the last proposal
 
@@ -46,11 +49,20 @@ class ModelDrafter:
             token, prob = self._choose_rows(logits, params, generators)  # [B], [B, V] | None
             tokens.append(token)
             probs.append(prob)
-            if i + 1 < k:
+            if i + 1 < k and self._confident(logits, token, prob):
                 logits = self.runner.forward(token[:, None])[:, -1]
+            else:
+                break
         draft_tokens = torch.stack(tokens, dim=1)  # [B, k]
         draft_probs = None if params.greedy else torch.stack(probs, dim=1)  # [B, k, V]
         return Draft(draft_tokens, draft_probs)
+
+    def _confident(self, logits: torch.Tensor, token: torch.Tensor, prob: torch.Tensor | None) -> bool:
+        """Every row's chosen token has draft probability >= min_confidence. logits [B, V], token [B]."""
+        if self.min_confidence <= 0:
+            return True
+        dist = prob if prob is not None else torch.softmax(logits.float(), dim=-1)  # [B, V]
+        return bool((dist.gather(-1, token[:, None]) >= self.min_confidence).all())
 
     def commit(self, num_accepted: torch.Tensor) -> None:
         """num_accepted [B]: keep the context plus the accepted drafted tokens that are cached."""

