@@ -81,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--offset", type=int, default=0, help="first task (default: %(default)s)")
     quality.add_argument("--out", default=None, help="write the JSON result here too")
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    serve.add_argument("--model-name", default=None, help="the model id clients ask for (default: the target reference)")
+
+    table = sub.add_parser("runners", help="measure each CPU path: k-token pass cost and batch invariance")
+    table.add_argument("--target", default=packs.DEFAULT_TARGET, help="model reference (default: %(default)s)")
+    table.add_argument("--out", default=None, help="write the JSON rows here too")
+
     mod = sub.add_parser("models", help="list model packs or print a pack's file path")
     mod_sub = mod.add_subparsers(dest="models_command", parser_class=_Parser)
     mod_sub.add_parser("list", help="packs and whether they are installed and cached")
@@ -99,6 +109,17 @@ def main(argv: list[str] | None = None) -> int:
             from .bench.command import run_command
 
             return run_command(args, _sampling_from(args), " ".join(["specdecode", *(argv if argv is not None else sys.argv[1:])]))
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "runners":
+            from .bench.runners_table import format_rows, runner_table
+
+            rows = runner_table(args.target)
+            print(format_rows(rows))
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(rows, f, indent=2)
+            return 0
         if args.command == "quality":
             return _quality(args)
         if args.command == "models":
@@ -178,6 +199,29 @@ def _generate(args) -> int:
             f"draft {s.draft_seconds:.2f}s verify {s.verify_seconds:.2f}s; finish={result.finish_reason}]",
             file=sys.stderr,
         )
+    return 0
+
+
+def _serve(args) -> int:
+    import logging
+
+    import uvicorn
+
+    from .api import SpeculativeGenerator
+    from .config import SpecConfig
+    from .server.app import create_app
+
+    SpecConfig(gamma=_gamma(args.gamma), draft_confidence=args.draft_confidence)
+    if not 0 < args.port < 65536:
+        raise SpecDecodeError(f"--port must be in 1..65535, got {args.port}")
+    gen = SpeculativeGenerator.from_pretrained(
+        args.target, _draft_reference(args), gamma=_gamma(args.gamma), drafter=_drafter_kind(args),
+        draft_confidence=args.draft_confidence, device=args.device, dtype=args.dtype,
+        runner=args.runner, draft_runner=args.draft_runner,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app = create_app(gen, args.model_name or args.target)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 

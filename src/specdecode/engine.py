@@ -38,6 +38,7 @@ class GenerationStats:
     accepted_tokens: int = 0
     accepted_by_position: list[int] = field(default_factory=list)  # [gamma]: accepted at draft position i
     drafted_by_position: list[int] = field(default_factory=list)  # [gamma]: drafted at draft position i
+    accepted_per_step: list[int] = field(default_factory=list)  # accepted drafts of each target forward
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -74,6 +75,7 @@ class GenerationStats:
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.target_forwards += 1
+        self.accepted_per_step.append(accepted)
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         for i in range(drafted):
@@ -123,7 +125,7 @@ class SpecEngine:
         self.check_fits(prompt_ids.shape[1], params.max_new_tokens)
         stats = stats if stats is not None else GenerationStats()
         gamma = self.config.longest_draft if self.drafter is not None else 0
-        policy = self._request_policy()
+        policy = self.policy
         stats.accepted_by_position = [0] * gamma
         stats.drafted_by_position = [0] * gamma
         generators = [generator or _seeded_generator(params.seed, self.target.device)]
@@ -159,14 +161,6 @@ class SpecEngine:
                 f"the target's context of {limit} tokens",
                 field="max_new_tokens" if prompt_length < limit else "prompt",
             )
-
-    def _request_policy(self):
-        """Adaptive: keep the measured costs across requests, restart the acceptance estimates."""
-        if isinstance(self.policy, AdaptiveGamma):
-            fresh = AdaptiveGamma(max_gamma=self.policy.max_gamma)
-            fresh.draft_cost, fresh.pass_cost = self.policy.draft_cost, self.policy.pass_cost
-            self.policy = fresh
-        return self.policy
 
     # -- phases ---------------------------------------------------------------------------
 

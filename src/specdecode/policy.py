@@ -8,13 +8,17 @@ Glossary:
   measured cost of a target pass over m tokens. k = 0 is a plain decoding step; while it wins the
   policy stays plain and probes with a short draft every ``probe_every`` steps, so a request where
   drafting does not pay runs at about plain speed.
-The choice depends only on past steps, never on the current step's random draws, so the output
+The estimates carry over from one request to the next on the same engine (a pair's costs and
+typical acceptance are properties of the models and the machine). The choice depends only on past steps, never on the current step's random draws, so the output
 distribution stays exactly the target's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+PRIOR_WEIGHT = 0.2  # the prior counts as a fraction of one observation
 
 
 class FixedGamma:
@@ -38,15 +42,25 @@ class AdaptiveGamma:
     # running state
     accept_weight: list[float] = field(default_factory=list)  # [max_gamma]
     draft_weight: list[float] = field(default_factory=list)  # [max_gamma]
-    draft_cost: float | None = None  # seconds per drafted token
+    draft_cost: float | None = None  # seconds per drafted token (mean)
+    draft_fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed sums: n, k, k^2, y, k*y
     pass_cost: dict[int, float] = field(default_factory=dict)  # tokens scored -> seconds
     plain_steps: int = 0
 
+    observed: list[bool] = field(default_factory=list)  # [max_gamma]: has this position been tested
+
     def __post_init__(self) -> None:
-        self.accept_weight = [self.prior_acceptance] * self.max_gamma
-        self.draft_weight = [1.0] * self.max_gamma
+        self.accept_weight = [self.prior_acceptance * PRIOR_WEIGHT] * self.max_gamma
+        self.draft_weight = [PRIOR_WEIGHT] * self.max_gamma
+        self.observed = [False] * self.max_gamma
 
     def acceptance(self, position: int) -> float:
+        """Running estimate; an untested position borrows the deepest tested one's (optimism
+        that makes the policy try longer drafts instead of settling on the prior)."""
+        if not self.observed[position]:
+            deeper = [i for i in range(position) if self.observed[i]]
+            if deeper:
+                return self.acceptance(deeper[-1])
         return self.accept_weight[position] / self.draft_weight[position]
 
     def expected_tokens(self, k: int) -> float:
@@ -69,6 +83,17 @@ class AdaptiveGamma:
             return self.pass_cost[a] + (self.pass_cost[b] - self.pass_cost[a]) * (m - a) / (b - a)
         return self.pass_cost[lower[-1] if lower else upper[0]]
 
+    def draft_seconds(self, k: int) -> float:
+        """Cost of drafting k tokens: an affine fit a + b k over past steps (the first draft call
+        also feeds the tokens committed since the last one, so it costs more than the others)."""
+        n, sk, skk, sy, sky = self.draft_fit
+        var = skk / n - (sk / n) ** 2
+        if var < 1e-9:
+            return k * self.draft_cost
+        slope = (sky / n - (sk / n) * (sy / n)) / var
+        slope = max(slope, 1e-6)
+        return max(0.0, sy / n - slope * sk / n) + slope * k
+
     def choose(self, remaining: int) -> int:
         cap = max(0, min(self.max_gamma, remaining - 1))
         if cap == 0:
@@ -80,7 +105,7 @@ class AdaptiveGamma:
         best_k, best_rate = 0, self.expected_tokens(0) / self.pass_cost[1]
         for k in range(1, cap + 1):
             cost = self._pass_seconds(k + 1)
-            rate = self.expected_tokens(k) / (k * self.draft_cost + cost)
+            rate = self.expected_tokens(k) / (self.draft_seconds(k) + cost)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
@@ -94,10 +119,14 @@ class AdaptiveGamma:
         old = self.pass_cost.get(m)
         self.pass_cost[m] = verify_seconds if old is None else self.decay * old + (1 - self.decay) * verify_seconds
         if drafted:
+            self.draft_fit = [self.decay * v for v in self.draft_fit]
+            for i, v in enumerate((1.0, drafted, drafted * drafted, draft_seconds, drafted * draft_seconds)):
+                self.draft_fit[i] += v
             per_token = draft_seconds / drafted
             self.draft_cost = per_token if self.draft_cost is None else self.decay * self.draft_cost + (1 - self.decay) * per_token
         for i in range(drafted):
             self.accept_weight[i] = self.decay * self.accept_weight[i] + (1 - self.decay) * float(i < accepted)
             self.draft_weight[i] = self.decay * self.draft_weight[i] + (1 - self.decay)
+            self.observed[i] = True
             if i >= accepted:
                 break  # positions after the first rejection were not tested

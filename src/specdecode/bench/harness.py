@@ -138,5 +138,31 @@ def attach_cost_model(result: dict, ctx: BenchContext, prompts: Sequence[Prompt]
     measured = draft_summary["speedup_vs_ar"]
     model["measured_speedup"] = measured["geomean"] if measured else None
     model["context_tokens"] = len(typical)
+    model["in_run"] = in_run_costs(result, gamma)
     result["cost_model"] = model
     return model
+
+
+def in_run_costs(result: dict, gamma: int) -> dict | None:
+    """The same model fed with the costs the run itself measured (draft feeding, kernels by block
+    size, machine load included), and the share of wall time spent in prompt prefill."""
+    rows = [r for r in result["per_prompt"] if r["methods"].get("ar", {}).get("stats") and r["methods"].get("draft", {}).get("stats")]
+    if not rows:
+        return None
+    total = lambda name, key: sum(r["methods"][name]["stats"][key] for r in rows)  # noqa: E731
+    t1 = total("ar", "verify_seconds") / total("ar", "target_forwards")
+    forwards = total("draft", "target_forwards")
+    t_draft = total("draft", "draft_seconds") / max(1, total("draft", "drafted_tokens"))
+    t_verify = total("draft", "verify_seconds") / forwards
+    tokens_per_forward = total("draft", "new_tokens") / forwards
+    step_seconds = (total("draft", "draft_seconds") + total("draft", "verify_seconds")) / forwards
+    decode_speedup = tokens_per_forward * t1 / step_seconds  # excludes prompt prefill
+    return {
+        "ar_seconds_per_forward": t1,
+        "draft_seconds_per_drafted_token": t_draft,
+        "verify_seconds_per_forward": t_verify,
+        "tokens_per_target_forward": tokens_per_forward,
+        "decode_only_speedup": decode_speedup,
+        "prefill_share_ar": total("ar", "prefill_seconds") / total("ar", "wall_seconds"),
+        "prefill_share_draft": total("draft", "prefill_seconds") / total("draft", "wall_seconds"),
+    }

@@ -48,6 +48,13 @@ def format_table(result: dict) -> str:
             f"predicted speedup at gamma={result['config']['gamma']}: {cm['predicted_at_gamma']:.2f}x "
             f"(measured {cm['measured_speedup']:.2f}x); best gamma {cm['best_gamma']} -> {cm['best_predicted_speedup']:.2f}x"
         )
+    if cm and cm.get("in_run"):
+        r = cm["in_run"]
+        lines.append(
+            f"in-run costs: ar {r['ar_seconds_per_forward'] * 1e3:.0f} ms/forward, draft {r['draft_seconds_per_drafted_token'] * 1e3:.0f} ms/drafted token, "
+            f"verify {r['verify_seconds_per_forward'] * 1e3:.0f} ms/forward, {r['tokens_per_target_forward']:.2f} tokens/forward -> decode-only speedup "
+            f"{r['decode_only_speedup']:.2f}x; prefill share of wall time: ar {r['prefill_share_ar']:.0%}, draft {r['prefill_share_draft']:.0%}"
+        )
     return "\n".join(lines)
 
 
@@ -67,7 +74,7 @@ def markdown(result: dict) -> str:
     out += ["| " + " | ".join(r) + " |" for r in table_rows(result)]
     cm = result.get("cost_model")
     if cm:
-        out += ["", "## Cost model", "", format_table(result).splitlines()[-1], "",
+        out += ["", "## Cost model", ""] + [l for l in format_table(result).splitlines() if l.startswith(("cost model", "in-run"))] + ["",
                 "| gamma | predicted tokens/forward | predicted step (ms) | predicted speedup |", "|---|---|---|---|"]
         out += [f"| {r['gamma']} | {r['tokens_per_target_forward']:.2f} | {r['step_seconds'] * 1e3:.0f} | {r['predicted_speedup']:.2f}x |"
                 for r in cm["by_gamma"]]
