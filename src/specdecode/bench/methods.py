@@ -70,35 +70,22 @@ def _ours(gen: SpeculativeGenerator, prompt_ids: list[int], params: SamplingPara
     return MethodRun(result.token_ids, time.perf_counter() - t0, result.stats.to_dict())
 
 
-@register("ar")
+def _register_ours(name: str, pick: Callable[[BenchContext], SpeculativeGenerator]) -> None:
+    """Our engine under the generator pick(ctx) selects."""
+    METHODS[name] = lambda ctx, prompt_ids, params: _ours(pick(ctx), prompt_ids, params, ctx)
+
+
+_register_ours("ar", lambda ctx: ctx.plain)
+_register_ours("draft", lambda ctx: ctx.spec)
+# exactly the draft module hf-assisted uses: compares algorithms, not kernels
+_register_ours("draft-hf", lambda ctx: ctx.hf_draft or ctx.spec)
+_register_ours("hybrid", lambda ctx: ctx.hybrid)
+_register_ours("draft-auto", lambda ctx: ctx.auto)
+_register_ours("ngram", lambda ctx: ctx.ngram)
+
+
 def run_ar(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
-    return _ours(ctx.plain, prompt_ids, params, ctx)
-
-
-@register("draft")
-def run_draft(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
-    return _ours(ctx.spec, prompt_ids, params, ctx)
-
-
-@register("draft-hf")
-def run_draft_hf(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
-    """Our engine with exactly the draft module hf-assisted uses: compares algorithms, not kernels."""
-    return _ours(ctx.hf_draft or ctx.spec, prompt_ids, params, ctx)
-
-
-@register("hybrid")
-def run_hybrid(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
-    return _ours(ctx.hybrid, prompt_ids, params, ctx)
-
-
-@register("draft-auto")
-def run_draft_auto(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
-    return _ours(ctx.auto, prompt_ids, params, ctx)
-
-
-@register("ngram")
-def run_ngram(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> MethodRun:
-    return _ours(ctx.ngram, prompt_ids, params, ctx)
+    return METHODS["ar"](ctx, prompt_ids, params)
 
 
 def _hf(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams, **extra) -> MethodRun:

@@ -89,38 +89,41 @@ def plots(result: dict, folder: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
-    written = []
+    written: list[Path] = []
+
+    def figure(name: str, xlabel: str | None, ylabel: str, draw) -> None:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        draw(ax)
+        if xlabel:
+            ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        fig.tight_layout()
+        written.append(folder / name)
+        fig.savefig(written[-1])
+        plt.close(fig)
+
     names = [n for n, m in result["methods"].items() if m["speedup_vs_ar"]]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(names, [result["methods"][n]["speedup_vs_ar"]["geomean"] for n in names])
-    ax.axhline(1.0, color="grey", lw=1)
-    ax.set_ylabel("speedup vs ar (geomean)")
-    fig.tight_layout()
-    written.append(folder / "speedup.png")
-    fig.savefig(written[-1])
-    plt.close(fig)
+
+    def speedups(ax):
+        ax.bar(names, [result["methods"][n]["speedup_vs_ar"]["geomean"] for n in names])
+        ax.axhline(1.0, color="grey", lw=1)
+
+    figure("speedup.png", None, "speedup vs ar (geomean)", speedups)
     with_pos = {n: m["accepted_by_position"] for n, m in result["methods"].items() if m.get("accepted_by_position")}
     if with_pos:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for n, rates in with_pos.items():
-            ax.plot(range(1, len(rates) + 1), [r if r is not None else float("nan") for r in rates], marker="o", label=n)
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("P(accepted | drafted)")
-        ax.legend()
-        fig.tight_layout()
-        written.append(folder / "acceptance_by_position.png")
-        fig.savefig(written[-1])
-        plt.close(fig)
+        def by_position(ax):
+            for n, rates in with_pos.items():
+                ax.plot(range(1, len(rates) + 1), [r if r is not None else float("nan") for r in rates], marker="o", label=n)
+
+        figure("acceptance_by_position.png", "draft position", "P(accepted | drafted)", by_position)
     cm = result.get("cost_model")
     if cm:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([r["gamma"] for r in cm["by_gamma"]], [r["predicted_speedup"] for r in cm["by_gamma"]], marker="o", label="predicted")
-        ax.scatter([result["config"]["gamma"]], [cm["measured_speedup"]], color="red", zorder=3, label="measured")
-        ax.set_xlabel("gamma")
-        ax.set_ylabel("speedup vs ar")
-        ax.legend()
-        fig.tight_layout()
-        written.append(folder / "cost_model.png")
-        fig.savefig(written[-1])
-        plt.close(fig)
+        def predicted(ax):
+            ax.plot([r["gamma"] for r in cm["by_gamma"]], [r["predicted_speedup"] for r in cm["by_gamma"]], marker="o", label="predicted")
+            if cm.get("measured_speedup") is not None:
+                ax.scatter([result["config"]["gamma"]], [cm["measured_speedup"]], color="red", zorder=3, label="measured")
+
+        figure("cost_model.png", "gamma", "speedup vs ar", predicted)
     return written
