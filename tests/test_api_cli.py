@@ -160,3 +160,20 @@ def test_prompt_longer_than_context_via_api(generators):
 def test_models_list_runs():
     code, out, err = run_cli("models", "list")
     assert code == 0 and "qwen2.5-coder-1.5b-instruct" in out and "qwen2.5-coder-0.5b-instruct" in out
+
+
+def test_bench_and_tune_commands_end_to_end(saved, tmp_path, capsys):
+    suite = tmp_path / "s.jsonl"
+    suite.write_text('{"prompt": "def f(x):"}\n{"prompt": "abc abc"}\n')
+    common = ["--target", str(saved / "target"), "--draft", str(saved / "draft"), "--suite", f"file:{suite}",
+              "--max-new-tokens", "8", "--gamma", "3"]
+    out = tmp_path / "b" / "bench.json"
+    assert main(["bench", *common, "--methods", "ar,draft,ngram,hf-assisted", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result) == {"config", "methods", "per_prompt", "cost_model"}
+    assert result["methods"]["draft"]["mismatches"] == 0 and result["config"]["runner"] == "int8"
+    assert out.with_suffix(".md").is_file() and (out.parent / "speedup.png").is_file()
+    assert main(["tune", *common, "--limit", "1"]) == 0
+    assert "recommended: --gamma" in capsys.readouterr().out
+    assert main(["bench", *common, "--methods", "ar,warp"]) == 2
+    assert "unknown method" in capsys.readouterr().err
