@@ -129,6 +129,9 @@ class SpeculativeGenerator:
         path) or llamacpp (drafts only). auto picks int8 / llama.cpp on CPU in float32."""
         SpecConfig(gamma=gamma, draft_confidence=draft_confidence)  # validate before the slow part
         torch_device, torch_dtype = models.parse_device(device), models.parse_dtype(dtype)
+        models.check_reference(target, runner, "target")
+        if draft is not None and draft.lower() not in ("none", "ngram"):
+            models.check_reference(draft, draft_runner, "draft")
         loaded_target = models.load(target, torch_device, torch_dtype, progress, runner, "target")
         loaded_draft, kind = None, drafter
         if draft is not None and draft.lower() == "ngram":

@@ -87,6 +87,18 @@ def parse_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_reference(reference: str, runner: str, role: str) -> None:
+    """Cheap checks before anything is loaded, so a bad draft fails before a slow target load."""
+    if packs.get_pack(reference) is not None:
+        return
+    path = Path(reference).expanduser()
+    looks_local = path.exists() or reference.startswith((".", "/", "~")) or reference.endswith(".gguf")
+    if looks_local and not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+        raise SpecDecodeError(f"unknown model '{reference}': no such model file or directory", field=role)
+    if runner == "llamacpp" and gguf_source(reference) is None:
+        raise SpecDecodeError(f"the llamacpp runner needs a pack name or a .gguf file, got '{reference}'", field=role)
+
+
 def resolve(reference: str, progress: bool = True) -> tuple[str, dict]:
     """Map a reference to (from_pretrained location, extra kwargs), preparing packs on the way."""
     pack = packs.get_pack(reference)
