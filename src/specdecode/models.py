@@ -111,8 +111,7 @@ def resolve(reference: str, progress: bool = True) -> tuple[str, dict]:
         if not (path / "config.json").is_file():
             raise SpecDecodeError(f"model directory '{reference}' has no config.json")
         return str(path), {}
-    if path.exists() or reference.startswith((".", "/", "~")) or reference.endswith(".gguf"):
-        raise SpecDecodeError(f"unknown model '{reference}': no such model file or directory")
+    check_reference(reference, "hf", "model")  # raises for a local path that is not a model
     return reference, {}  # a hub id
 
 
