@@ -163,19 +163,22 @@ def _drafter_kind(args) -> str | None:
     return args.drafter
 
 
-def _generate(args) -> int:
+def _load_generator(args, progress: bool = True):
+    """The generator the model and drafting flags describe (settings are validated before loading)."""
     from .api import SpeculativeGenerator
-    from .config import SpecConfig
 
-    params = _sampling_from(args)
-    SpecConfig(gamma=args.gamma, draft_confidence=args.draft_confidence)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    t0 = time.perf_counter()
-    gen = SpeculativeGenerator.from_pretrained(
+    return SpeculativeGenerator.from_pretrained(
         args.target, _draft_reference(args), gamma=_gamma(args.gamma), drafter=_drafter_kind(args),
         draft_confidence=args.draft_confidence, device=args.device, dtype=args.dtype,
-        runner=args.runner, draft_runner=args.draft_runner, progress=not args.json,
+        runner=args.runner, draft_runner=args.draft_runner, progress=progress,
     )
+
+
+def _generate(args) -> int:
+    params = _sampling_from(args)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    t0 = time.perf_counter()
+    gen = _load_generator(args, progress=not args.json)
     if not args.json:
         print(f"[loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr, flush=True)
     stream = gen.stream(prompt, params, chat=args.chat)
@@ -207,18 +210,11 @@ def _serve(args) -> int:
 
     import uvicorn
 
-    from .api import SpeculativeGenerator
-    from .config import SpecConfig
     from .server.app import create_app
 
-    SpecConfig(gamma=_gamma(args.gamma), draft_confidence=args.draft_confidence)
     if not 0 < args.port < 65536:
         raise SpecDecodeError(f"--port must be in 1..65535, got {args.port}")
-    gen = SpeculativeGenerator.from_pretrained(
-        args.target, _draft_reference(args), gamma=_gamma(args.gamma), drafter=_drafter_kind(args),
-        draft_confidence=args.draft_confidence, device=args.device, dtype=args.dtype,
-        runner=args.runner, draft_runner=args.draft_runner,
-    )
+    gen = _load_generator(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(gen, args.model_name or args.target)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -24,7 +24,7 @@ from .config import SamplingParams, SpecConfig
 from .drafters import Draft, Drafter
 from .errors import SpecDecodeError
 from .policy import AdaptiveGamma, FixedGamma
-from .runners import Runner
+from .runners import Runner, cache_all_but_last
 from .verify import VerifyResult, verify
 
 Verifier = Callable[..., VerifyResult]
@@ -125,7 +125,6 @@ class SpecEngine:
         self.check_fits(prompt_ids.shape[1], params.max_new_tokens)
         stats = stats if stats is not None else GenerationStats()
         gamma = self.config.longest_draft if self.drafter is not None else 0
-        policy = self.policy
         stats.accepted_by_position = [0] * gamma
         stats.drafted_by_position = [0] * gamma
         generators = [generator or _seeded_generator(params.seed, self.target.device)]
@@ -136,12 +135,12 @@ class SpecEngine:
         try:
             while True:
                 remaining = params.max_new_tokens - stats.new_tokens
-                k = policy.choose(remaining) if gamma else 0
+                k = self.policy.choose(remaining) if gamma else 0
                 spent = (stats.draft_seconds, stats.verify_seconds)
                 draft = self._propose(context, k, params, generators, stats)
                 result = self._verify(context, draft, params, generators, stats)
                 new_tokens = self._commit(context, draft, result, stats)
-                policy.update(draft.tokens.shape[1], int(result.num_accepted[0]),
+                self.policy.update(draft.tokens.shape[1], int(result.num_accepted[0]),
                               stats.draft_seconds - spent[0], stats.verify_seconds - spent[1])
                 context = torch.cat([context, torch.tensor([new_tokens])], dim=1)
                 new_tokens, finish = _stop_check(new_tokens, eos, remaining)
@@ -167,10 +166,7 @@ class SpecEngine:
     def _prefill(self, context: torch.Tensor, stats: GenerationStats) -> None:
         """0. Cache every prompt token but the last (the first pending token)."""
         t0 = time.perf_counter()
-        if context.shape[1] > 1:
-            self.target.prefill(context[:, :-1])
-        else:
-            self.target.reset(1)
+        cache_all_but_last(self.target, context)
         if self.drafter is not None:
             self.drafter.reset(context)
         self._sync()

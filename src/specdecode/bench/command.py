@@ -25,7 +25,8 @@ def _load(args):
     from .. import models
 
     spec = SpeculativeGenerator.from_pretrained(args.target, args.draft, gamma=args.gamma, device=args.device,
-                                                dtype=args.dtype, runner=args.runner, draft_runner=args.draft_runner)
+                                                dtype=args.dtype, runner=args.runner, draft_runner=args.draft_runner,
+                                                draft_confidence=args.draft_confidence)
     plain = spec.variant(None)
     ngram = spec.variant("ngram")
     hybrid = spec.variant("hybrid") if spec.draft is not None else None
@@ -55,7 +56,10 @@ def run_command(args, params: SamplingParams, command_line: str) -> int:
     args.gamma = int(args.gamma) if args.gamma.isdigit() else args.gamma
     if args.gamma == "auto":
         raise SpecDecodeError("bench runs fixed-gamma methods; the adaptive one is the method draft-auto", field="gamma")
-    SpecConfig(gamma=args.gamma)
+    SpecConfig(gamma=args.gamma, draft_confidence=args.draft_confidence)
+    if args.drafter != "model":
+        raise SpecDecodeError("bench picks drafters by --methods (ngram, hybrid, ...); leave --drafter at model",
+                              field="drafter")
     has_draft = args.draft is not None and args.draft.lower() not in ("none", "ngram")
     methods = parse_methods(args.methods, has_draft) if args.command == "bench" else ["ar", "draft"]
     if args.command == "tune" and not has_draft:

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from ..config import SamplingParams
-from ..runners import Runner
+from ..runners import Runner, cache_all_but_last
 from ..sampling import choose
 from .base import Draft
 
@@ -29,10 +29,7 @@ class ModelDrafter:
 
     def reset(self, prompt_ids: torch.Tensor) -> None:
         """prompt_ids [B, T]: cache all but the last prompt token (it is fed with the first proposal)."""
-        if prompt_ids.shape[1] > 1:
-            self.runner.prefill(prompt_ids[:, :-1])
-        else:
-            self.runner.reset(prompt_ids.shape[0])
+        cache_all_but_last(self.runner, prompt_ids)
 
     def propose(
         self,

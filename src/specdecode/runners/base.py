@@ -38,3 +38,11 @@ class Runner(Protocol):
 
     def truncate(self, lengths: torch.Tensor) -> None:  # lengths [B]
         ...
+
+
+def cache_all_but_last(runner: Runner, ids: torch.Tensor) -> None:
+    """ids [B, T]: reset the runner to hold every token but the last (the first one fed to decode)."""
+    if ids.shape[1] > 1:
+        runner.prefill(ids[:, :-1])
+    else:
+        runner.reset(ids.shape[0])
