@@ -174,11 +174,14 @@ def _declare_eos(pack: ModelPack, folder: Path) -> None:
     """The GGUF metadata names one EOS; write the pack's full list into generation_config.json."""
     if not pack.eos_tokens:
         return
-    vocab = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
-    ids = [t["id"] for name in pack.eos_tokens for t in vocab if t["content"] == name]
     path = folder / "generation_config.json"
     config = json.loads(path.read_text())
-    if config.get("eos_token_id") != ids:
+    declared = config.get("eos_token_id")
+    if isinstance(declared, list) and len(declared) == len(pack.eos_tokens):
+        return  # written on an earlier load; skip re-reading the 11 MB tokenizer file
+    vocab = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    ids = [t["id"] for name in pack.eos_tokens for t in vocab if t["content"] == name]
+    if declared != ids:
         config["eos_token_id"] = ids
         path.write_text(json.dumps(config, indent=2))
 
