@@ -15,6 +15,7 @@ so a speedup always compares like with like.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -89,8 +90,67 @@ class StepOutput:
     finish_reason: str | None  # "stop" (EOS), "length" (max_new_tokens) or None while running
 
 
+@dataclass
+class BatchRequest:
+    """One row of a batch: its prompt, budget, random stream and stats.
+
+    Set ``cancelled`` (for example when a stop string appears) to end the row after the step
+    just yielded; its slot is then refilled from the queue."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    generator: torch.Generator
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    cancelled: bool = False
+
+
+@dataclass
+class RowStep:
+    index: int  # position of the request in the list given to generate_batch
+    tokens: list[int]  # its new committed tokens of this step
+    finish_reason: str | None  # "stop" (EOS or cancelled), "length" or None while running
+
+
+@dataclass
+class BatchStats:
+    batch_size: int = 0  # slots
+    new_tokens: int = 0  # over every row
+    target_forwards: int = 0  # batched verification passes
+    rows_per_forward: float = 0.0  # mean active rows per pass
+    wall_seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "batch_size": self.batch_size,
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "rows_per_forward": self.rows_per_forward,
+            "wall_seconds": self.wall_seconds,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+@dataclass
+class _Slot:
+    index: int
+    request: BatchRequest
+    context: list[int]  # committed tokens, the pending one last
+    started: float
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_new_tokens - self.request.stats.new_tokens
+
+
 class SpecEngine:
-    """Speculative decoding over a target Runner and an optional Drafter (B = 1 per request)."""
+    """Speculative decoding over a target Runner and an optional Drafter.
+
+    ``generate`` runs one request; ``generate_batch`` runs many in ``batch_size`` slots, each
+    row with its own length, draft length, acceptance and random stream (see runners.hf)."""
 
     def __init__(
         self,
@@ -123,34 +183,101 @@ class SpecEngine:
         if prompt_ids.ndim != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] < 1:
             raise ValueError("prompt_ids must have shape [1, T] with T >= 1")
         self.check_fits(prompt_ids.shape[1], params.max_new_tokens)
-        stats = stats if stats is not None else GenerationStats()
+        request = BatchRequest(prompt_ids[0].tolist(), params.max_new_tokens,
+                               generator or _seeded_generator(params.seed, self.target.device),
+                               stats if stats is not None else GenerationStats())
+        for step in self.generate_batch([request], params, eos_ids, batch_size=1):
+            yield StepOutput(step.tokens, step.finish_reason)
+
+    def generate_batch(
+        self,
+        requests: Sequence[BatchRequest],
+        params: SamplingParams,
+        eos_ids: Sequence[int] = (),
+        batch_size: int = 8,
+        stats: BatchStats | None = None,
+    ) -> Iterator[RowStep]:
+        """Decode every request, ``batch_size`` at a time; a finished row's slot takes the next
+        request. Yields each row's committed tokens per step. ``params`` supplies the shared
+        sampling settings (temperature, top-k, top-p); budgets and random streams are per row."""
+        if batch_size < 1:
+            raise SpecDecodeError("batch_size must be at least 1", field="batch_size")
+        for request in requests:
+            if len(request.prompt_ids) < 1:
+                raise SpecDecodeError("prompt is empty", field="prompt")
+            self.check_fits(len(request.prompt_ids), request.max_new_tokens)
+        slots_total = max(1, min(batch_size, len(requests)))
+        batched = slots_total > 1
+        batch = stats if stats is not None else BatchStats()
+        batch.batch_size = slots_total
         gamma = self.config.longest_draft if self.drafter is not None else 0
-        stats.accepted_by_position = [0] * gamma
-        stats.drafted_by_position = [0] * gamma
-        generators = [generator or _seeded_generator(params.seed, self.target.device)]
         eos = set(int(t) for t in eos_ids)
+        queue = deque(enumerate(requests))
+        slots: list[_Slot | None] = [None] * slots_total
         started = time.perf_counter()
-        context = prompt_ids.to(torch.long).cpu()  # [1, L] committed tokens
-        self._prefill(context, stats)
+        if batched:
+            self.target.reset(slots_total)
+            if self.drafter is not None:
+                self.drafter.begin_batch(slots_total)
+
+        def admit(slot: int) -> None:
+            index, request = queue.popleft()
+            t0 = time.perf_counter()
+            request.stats.accepted_by_position = [0] * gamma
+            request.stats.drafted_by_position = [0] * gamma
+            ids = [int(t) for t in request.prompt_ids]
+            if batched:
+                cache_all_but_last(self.target, [ids], rows=[slot])
+            else:
+                cache_all_but_last(self.target, torch.tensor([ids]))
+            if self.drafter is not None:
+                self.drafter.reset([ids], rows=[slot]) if batched else self.drafter.reset(torch.tensor([ids]))
+            self._sync()
+            request.stats.prefill_seconds += time.perf_counter() - t0
+            slots[slot] = _Slot(index, request, ids, t0)
+
         try:
-            while True:
-                remaining = params.max_new_tokens - stats.new_tokens
-                k = self.policy.choose(remaining) if gamma else 0
-                spent = (stats.draft_seconds, stats.verify_seconds)
-                draft = self._propose(context, k, params, generators, stats)
-                result = self._verify(context, draft, params, generators, stats)
-                new_tokens = self._commit(context, draft, result, stats)
-                self.policy.update(draft.tokens.shape[1], int(result.num_accepted[0]),
-                              stats.draft_seconds - spent[0], stats.verify_seconds - spent[1])
-                context = torch.cat([context, torch.tensor([new_tokens])], dim=1)
-                new_tokens, finish = _stop_check(new_tokens, eos, remaining)
-                stats.new_tokens += len(new_tokens)
-                stats.wall_seconds = time.perf_counter() - started
-                yield StepOutput(new_tokens, finish)
-                if finish is not None:
-                    return
+            for slot in range(slots_total):
+                if queue:
+                    admit(slot)
+            while any(s is not None for s in slots):
+                active = [i for i, s in enumerate(slots) if s is not None]
+                rows = [slots[i] for i in active]
+                limits = [self.policy.choose(r.remaining) if gamma else 0 for r in rows]
+                spent = time.perf_counter()
+                draft = self._propose(rows, active if batched else None, limits, params)
+                drafted_at = time.perf_counter()
+                result = self._verify(rows, active if batched else None, draft, params)
+                verified_at = time.perf_counter()
+                lengths = draft.row_lengths()
+                self._commit(rows, active, draft, result, batched)
+                batch.target_forwards += 1
+                batch.rows_per_forward += (len(rows) - batch.rows_per_forward) / batch.target_forwards
+                share = 1.0 / len(rows)
+                for j, (slot, row) in enumerate(zip(active, rows)):
+                    accepted = int(result.num_accepted[j])
+                    row.request.stats.draft_seconds += (drafted_at - spent) * share
+                    row.request.stats.verify_seconds += (verified_at - drafted_at) * share
+                    self.policy.update(lengths[j], accepted, (drafted_at - spent) * share, (verified_at - drafted_at) * share)
+                    new_tokens = [int(t) for t in draft.tokens[j, :accepted]] + [int(result.next_tokens[j])]
+                    row.context.extend(new_tokens)
+                    new_tokens, finish = _stop_check(new_tokens, eos, row.remaining)
+                    row.request.stats.new_tokens += len(new_tokens)
+                    row.request.stats.wall_seconds = time.perf_counter() - row.started
+                    batch.new_tokens += len(new_tokens)
+                    batch.wall_seconds = time.perf_counter() - started
+                    yield RowStep(row.index, new_tokens, finish)
+                    if finish is None and row.request.cancelled:
+                        finish = "stop"
+                    if finish is not None:
+                        slots[slot] = None
+                        if queue:
+                            admit(slot)
         finally:
-            stats.wall_seconds = time.perf_counter() - started
+            batch.wall_seconds = time.perf_counter() - started
+            for row in slots:
+                if row is not None:
+                    row.request.stats.wall_seconds = time.perf_counter() - row.started
 
     def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
         limit = self.target.max_context
@@ -162,45 +289,43 @@ class SpecEngine:
             )
 
     # -- phases ---------------------------------------------------------------------------
+    # 0. admit: cache every prompt token but the last (the first pending token), see above.
 
-    def _prefill(self, context: torch.Tensor, stats: GenerationStats) -> None:
-        """0. Cache every prompt token but the last (the first pending token)."""
-        t0 = time.perf_counter()
-        cache_all_but_last(self.target, context)
-        if self.drafter is not None:
-            self.drafter.reset(context)
+    def _propose(self, rows: list[_Slot], slots: list[int] | None, limits: list[int], params) -> Draft:
+        """1. The drafter proposes up to limits[j] tokens for row j."""
+        if self.drafter is None or max(limits) <= 0:
+            return Draft(torch.empty((len(rows), 0), dtype=torch.long), None)
+        contexts = [r.context for r in rows]
+        draft = self.drafter.propose(contexts if slots is not None else torch.tensor(contexts), limits, params,
+                                     [r.request.generator for r in rows], rows=slots)
         self._sync()
-        stats.prefill_seconds += time.perf_counter() - t0
-
-    def _propose(self, context, k, params, generators, stats) -> Draft:
-        """1. The drafter proposes up to k tokens."""
-        if k <= 0 or self.drafter is None:
-            return Draft(torch.empty((1, 0), dtype=torch.long), None)
-        t0 = time.perf_counter()
-        draft = self.drafter.propose(context, k, params, generators)
-        self._sync()
-        stats.draft_seconds += time.perf_counter() - t0
         return draft
 
-    def _verify(self, context, draft: Draft, params, generators, stats) -> VerifyResult:
-        """2. One target pass over [pending, drafts...] scores every draft and the bonus."""
-        t0 = time.perf_counter()
-        block = torch.cat([context[:, -1:], draft.tokens.cpu()], dim=1)  # [1, k'+1]
-        target_logits = self.target.forward(block)  # [1, k'+1, V]
-        result = self.verifier(draft.tokens.to(target_logits.device), draft.probs, target_logits, params, generators)
+    def _verify(self, rows: list[_Slot], slots: list[int] | None, draft: Draft, params) -> VerifyResult:
+        """2. One target pass over each row's [pending, drafts...] scores every draft and the bonus."""
+        lengths = draft.row_lengths()
+        block = torch.cat([torch.tensor([[r.context[-1]] for r in rows]), draft.tokens.cpu()], dim=1)  # [n, k'+1]
+        if slots is None:
+            target_logits = self.target.forward(block)  # [1, k'+1, V]
+        else:
+            target_logits = self.target.forward(block, rows=slots, counts=[1 + n for n in lengths])
+        extra = {} if draft.lengths is None else {"draft_lengths": lengths}
+        result = self.verifier(draft.tokens.to(target_logits.device), draft.probs, target_logits, params,
+                               [r.request.generator for r in rows], **extra)
         self._sync()
-        stats.verify_seconds += time.perf_counter() - t0
         return result
 
-    def _commit(self, context, draft: Draft, result: VerifyResult, stats) -> list[int]:
-        """3. Keep the accepted drafts plus one target token; roll both caches back to them."""
-        n = int(result.num_accepted[0])
-        stats.record_step(draft.tokens.shape[1], n)
-        # cache now holds: committed (without pending) + pending + drafts; keep pending + n accepted
-        self.target.truncate(torch.tensor([context.shape[1] + n]))
+    def _commit(self, rows: list[_Slot], slots: list[int], draft: Draft, result: VerifyResult, batched: bool) -> None:
+        """3. Keep each row's accepted drafts plus one target token; roll both caches back to them."""
+        lengths = self.target.lengths.clone()
+        for j, (slot, row) in enumerate(zip(slots, rows)):
+            n = int(result.num_accepted[j])
+            row.request.stats.record_step(draft.row_lengths()[j], n)
+            # the cache holds: committed (without pending) + pending + drafts; keep pending + n accepted
+            lengths[slot] = len(row.context) + n
+        self.target.truncate(lengths)
         if self.drafter is not None and draft.tokens.shape[1] > 0:
-            self.drafter.commit(result.num_accepted)
-        return [int(t) for t in draft.tokens[0, :n]] + [int(result.next_tokens[0])]
+            self.drafter.commit(result.num_accepted, rows=slots if batched else None)
 
 
 def _stop_check(tokens: list[int], eos: set[int], remaining: int) -> tuple[list[int], str | None]:

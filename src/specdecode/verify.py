@@ -53,17 +53,22 @@ def verify(
     target_logits: torch.Tensor,  # [B, k+1, V]
     params: SamplingParams,
     generators: Sequence[torch.Generator],  # one per row
+    draft_lengths: Sequence[int] | None = None,  # real drafts per row (rows are right-padded); None: all k
 ) -> VerifyResult:
+    """Row b keeps at most draft_lengths[b] drafts; its next token comes from position
+    num_accepted[b] (a residual after a rejection, else the bonus after its own last draft)."""
     if params.greedy:
-        return _verify_greedy(draft_tokens, target_logits)
-    return _verify_sampled(draft_tokens, draft_probs, processed_probs(target_logits, params), generators)
+        return _verify_greedy(draft_tokens, target_logits, draft_lengths)
+    return _verify_sampled(draft_tokens, draft_probs, processed_probs(target_logits, params), generators, draft_lengths)
 
 
-def _verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
+def _verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor, draft_lengths=None) -> VerifyResult:
     target_choice = target_logits.argmax(-1)  # [B, k+1]
     k = draft_tokens.shape[1]
     agree = (draft_tokens == target_choice[:, :k]).long()  # [B, k]
     num_accepted = agree.cumprod(dim=1).sum(dim=1)  # [B]
+    if draft_lengths is not None:
+        num_accepted = torch.minimum(num_accepted, torch.tensor(list(draft_lengths), device=num_accepted.device))
     next_tokens = target_choice.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
     return VerifyResult(num_accepted, next_tokens)
 
@@ -78,6 +83,7 @@ def _verify_sampled(
     draft_probs: torch.Tensor | None,  # [B, k, V] or None
     target_probs: torch.Tensor,  # [B, k+1, V]
     generators: Sequence[torch.Generator],
+    draft_lengths: Sequence[int] | None = None,
 ) -> VerifyResult:
     batch, k = draft_tokens.shape
     if draft_probs is None:
@@ -91,15 +97,16 @@ def _verify_sampled(
     num_accepted = torch.empty(batch, dtype=torch.long)
     next_tokens = torch.empty(batch, dtype=torch.long)
     for row in range(batch):
+        k_row = k if draft_lengths is None else int(draft_lengths[row])
         uniforms = torch.rand(
-            k, generator=generators[row], dtype=target_probs.dtype, device=target_probs.device
-        )  # [k]
-        accepted = (uniforms < accept_prob[row]).long()
+            k_row, generator=generators[row], dtype=target_probs.dtype, device=target_probs.device
+        )  # [k_row]
+        accepted = (uniforms < accept_prob[row, :k_row]).long()
         n = int(accepted.cumprod(0).sum())
-        if n < k:
+        if n < k_row:
             next_dist = residual_distribution(target_probs[row, n], draft_probs[row, n])  # [V]
         else:
-            next_dist = target_probs[row, k]  # bonus
+            next_dist = target_probs[row, k_row]  # bonus
         num_accepted[row] = n
         next_tokens[row] = sample(next_dist[None], generators[row])[0]
     return VerifyResult(num_accepted, next_tokens)

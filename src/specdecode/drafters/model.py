@@ -15,60 +15,94 @@ import torch
 from ..config import SamplingParams
 from ..runners import Runner, cache_all_but_last
 from ..sampling import choose
-from .base import Draft
+from .base import Contexts, Draft, as_rows, padded_draft, per_row
 
 
 class ModelDrafter:
     def __init__(self, runner: Runner, min_confidence: float = 0.0):
-        """min_confidence: stop drafting after a token the draft gave less than this probability
-        (the token itself is still proposed; the decision never depends on later draws)."""
+        """min_confidence: stop drafting a row after a token the draft gave less than this
+        probability (the token itself is still proposed; the decision never depends on later draws)."""
         self.runner = runner
         self.min_confidence = min_confidence
         self.vocab_size = runner.vocab_size
-        self._context_length = 0  # committed tokens at the last proposal
+        self._context_lengths: dict[int, int] = {}  # slot -> committed tokens at its last proposal
 
-    def reset(self, prompt_ids: torch.Tensor) -> None:
-        """prompt_ids [B, T]: cache all but the last prompt token (it is fed with the first proposal)."""
-        cache_all_but_last(self.runner, prompt_ids)
+    def begin_batch(self, batch_size: int) -> None:
+        self.runner.reset(batch_size)
+
+    def reset(self, prompt_ids: Contexts, rows: Sequence[int] | None = None) -> None:
+        """Cache all but the last prompt token of each row (it is fed with the first proposal)."""
+        cache_all_but_last(self.runner, prompt_ids, rows)
 
     def propose(
         self,
-        context: torch.Tensor,  # [B, L]
-        k: int,
+        context: Contexts,
+        k: int | Sequence[int],
         params: SamplingParams,
         generators: Sequence[torch.Generator],
+        rows: Sequence[int] | None = None,
     ) -> Draft:
-        self._context_length = context.shape[1]
-        cached = int(self.runner.lengths[0])
-        logits = self.runner.forward(context[:, cached:])[:, -1]  # [B, V]
-        tokens, probs = [], []
-        for i in range(k):
-            token, prob = self._choose_rows(logits, params, generators)  # [B], [B, V] | None
-            tokens.append(token)
-            probs.append(prob)
-            if i + 1 < k and self._confident(logits, token, prob):
-                logits = self.runner.forward(token[:, None])[:, -1]
-            else:
-                break
-        draft_tokens = torch.stack(tokens, dim=1)  # [B, k]
-        draft_probs = None if params.greedy else torch.stack(probs, dim=1)  # [B, k, V]
-        return Draft(draft_tokens, draft_probs)
+        contexts = as_rows(context)
+        n = len(contexts)
+        slots = list(range(n)) if rows is None else [int(r) for r in rows]
+        limits = per_row(k, n)
+        cached = self.runner.lengths.tolist()
+        self._context_lengths.update({slot: len(c) for slot, c in zip(slots, contexts)})
+        # feed each row the committed tokens its cache has not seen (at least the pending one)
+        logits = self._feed([c[cached[slot] :] for slot, c in zip(slots, contexts)], slots, rows is not None)  # [n, V]
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        drafting = [j for j in range(n) if limits[j] > 0]
+        while drafting:
+            chosen, chosen_probs = self._choose_rows(logits[drafting], params, [generators[j] for j in drafting])
+            going = []
+            for i, j in enumerate(drafting):
+                tokens[j].append(int(chosen[i]))
+                if chosen_probs is not None:
+                    probs[j].append(chosen_probs[i])
+                if len(tokens[j]) < limits[j] and self._confident(logits[j], chosen[i], None if chosen_probs is None else chosen_probs[i]):
+                    going.append(j)
+            if going:
+                step = torch.tensor([[tokens[j][-1]] for j in going])
+                if rows is None and n == 1:
+                    logits = self.runner.forward(step)[:, -1]
+                else:
+                    logits = logits.clone()
+                    logits[going] = self.runner.forward(step, rows=[slots[j] for j in going])[:, -1]
+            drafting = going
+        dtype = next((row[0].dtype for row in probs if row), torch.float32)
+        return padded_draft(tokens, None if params.greedy else probs, self.vocab_size, dtype)
+
+    def _feed(self, feeds: list[list[int]], slots: list[int], batched: bool) -> torch.Tensor:
+        """Append each row's unseen tokens; logits after each row's last one [n, V]."""
+        if not batched and len(feeds) == 1:
+            return self.runner.forward(torch.tensor(feeds))[:, -1]
+        width = max(len(f) for f in feeds)
+        ids = torch.zeros((len(feeds), width), dtype=torch.long)
+        for j, f in enumerate(feeds):
+            ids[j, : len(f)] = torch.tensor(f, dtype=torch.long)
+        counts = [len(f) for f in feeds]
+        out = self.runner.forward(ids, rows=slots, counts=counts)  # [n, width, V]
+        return out[torch.arange(len(feeds)), torch.tensor(counts) - 1]
 
     def _confident(self, logits: torch.Tensor, token: torch.Tensor, prob: torch.Tensor | None) -> bool:
-        """Every row's chosen token has draft probability >= min_confidence. logits [B, V], token [B]."""
+        """The chosen token has draft probability >= min_confidence. logits [V], token [], prob [V] | None."""
         if self.min_confidence <= 0:
             return True
-        dist = prob if prob is not None else torch.softmax(logits.float(), dim=-1)  # [B, V]
-        return bool((dist.gather(-1, token[:, None]) >= self.min_confidence).all())
+        dist = prob if prob is not None else torch.softmax(logits.float(), dim=-1)  # [V]
+        return bool(dist[int(token)] >= self.min_confidence)
 
-    def commit(self, num_accepted: torch.Tensor) -> None:
-        """num_accepted [B]: keep the context plus the accepted drafted tokens that are cached."""
-        cached = self.runner.lengths  # [B]
-        self.runner.truncate(torch.minimum(cached, self._context_length + num_accepted.cpu()))
+    def commit(self, num_accepted: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+        """num_accepted [n]: keep each row's context plus its accepted drafted tokens that are cached."""
+        slots = list(range(len(num_accepted))) if rows is None else [int(r) for r in rows]
+        lengths = self.runner.lengths.clone()  # [B]
+        for slot, accepted in zip(slots, num_accepted.tolist()):
+            lengths[slot] = min(int(lengths[slot]), self._context_lengths[slot] + accepted)
+        self.runner.truncate(lengths)
 
     @staticmethod
     def _choose_rows(logits, params, generators):
-        """logits [B, V] -> tokens [B], probs [B, V] | None, each row drawn with its own generator."""
+        """logits [n, V] -> tokens [n], probs [n, V] | None, each row drawn with its own generator."""
         if params.greedy or len(generators) == 1:
             return choose(logits, params, generators[0])
         picks = [choose(logits[b : b + 1], params, g) for b, g in enumerate(generators)]

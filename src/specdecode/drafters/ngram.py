@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from ..config import SamplingParams
-from .base import Draft
+from .base import Contexts, Draft, as_rows, padded_draft, per_row
 
 
 class _RowIndex:
@@ -60,25 +60,34 @@ class NgramDrafter:
         self.min_n, self.max_n = min_n, max_n
         self.rows: list[_RowIndex] = []
 
-    def reset(self, prompt_ids: torch.Tensor) -> None:  # [B, T]
-        self.rows = [_RowIndex(self.min_n, self.max_n) for _ in range(prompt_ids.shape[0])]
-        for row, ids in zip(self.rows, prompt_ids.tolist()):
-            row.extend(ids)
+    def begin_batch(self, batch_size: int) -> None:
+        self.rows = [_RowIndex(self.min_n, self.max_n) for _ in range(batch_size)]
+
+    def reset(self, prompt_ids: Contexts, rows: Sequence[int] | None = None) -> None:
+        prompts = as_rows(prompt_ids)
+        if rows is None:
+            self.begin_batch(len(prompts))
+            rows = range(len(prompts))
+        for slot, ids in zip(rows, prompts):
+            self.rows[slot] = _RowIndex(self.min_n, self.max_n)
+            self.rows[slot].extend(ids)
 
     def propose(
         self,
-        context: torch.Tensor,  # [B, L]
-        k: int,
+        context: Contexts,
+        k: int | Sequence[int],
         params: SamplingParams,
         generators: Sequence[torch.Generator],
+        rows: Sequence[int] | None = None,
     ) -> Draft:
+        contexts = as_rows(context)
+        slots = range(len(contexts)) if rows is None else rows
         proposals = []
-        for row, ids in zip(self.rows, context.tolist()):
-            row.extend(ids)
-            proposals.append(row.lookup(k))
-        width = min(len(p) for p in proposals)  # rows share one draft length
-        tokens = torch.tensor([p[:width] for p in proposals], dtype=torch.long).reshape(len(proposals), width)
-        return Draft(tokens, None)
+        for slot, ids, limit in zip(slots, contexts, per_row(k, len(contexts))):
+            index = self.rows[slot]
+            index.extend(ids)
+            proposals.append(index.lookup(limit) if limit > 0 else [])
+        return padded_draft(proposals, None, self.vocab_size)
 
-    def commit(self, num_accepted: torch.Tensor) -> None:
+    def commit(self, num_accepted: torch.Tensor, rows: Sequence[int] | None = None) -> None:
         """Nothing to roll back: only committed tokens ever enter the index."""

@@ -12,7 +12,7 @@ Contract (tested for every runner): ``prefill(a + b)`` gives the same logits as
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -36,13 +36,30 @@ class Runner(Protocol):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [B, S] -> logits [B, S, V]
         ...
 
+    # Runners that batch requests (HFRunner, the test TableRunner) also take
+    # prefill(ids, rows=...) and forward(ids, rows=..., counts=...): see runners.hf.
+
     def truncate(self, lengths: torch.Tensor) -> None:  # lengths [B]
         ...
 
 
-def cache_all_but_last(runner: Runner, ids: torch.Tensor) -> None:
-    """ids [B, T]: reset the runner to hold every token but the last (the first one fed to decode)."""
-    if ids.shape[1] > 1:
-        runner.prefill(ids[:, :-1])
-    else:
-        runner.reset(ids.shape[0])
+def cache_all_but_last(runner: Runner, ids, rows: Sequence[int] | None = None) -> None:
+    """Make the runner hold every prompt token but the last (the first one fed to decode).
+
+    rows None: ids [B, T] starts a new batch. rows given: ids holds one prompt (token list) per
+    named slot of the current batch; each slot is emptied and prefilled alone.
+    """
+    if rows is None:
+        if ids.shape[1] > 1:
+            runner.prefill(ids[:, :-1])
+        else:
+            runner.reset(ids.shape[0])
+        return
+    for row, prompt in zip(rows, ids):
+        prompt = [int(t) for t in prompt]
+        if len(prompt) > 1:
+            runner.prefill(torch.tensor([prompt[:-1]]), rows=[row])
+        else:
+            lengths = runner.lengths.clone()
+            lengths[row] = 0
+            runner.truncate(lengths)

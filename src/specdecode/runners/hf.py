@@ -1,18 +1,94 @@
-"""A Runner over a transformers causal LM with a DynamicCache.
+"""A Runner over a transformers causal LM, with a KV cache that keeps ragged rows.
 
-This is the only module that calls transformers models. Rows of a batch share one length
-here (ragged rows are the batching layer's job); truncation crops the cache exactly.
+This is the only module that calls transformers models.
 
-Glossary: *cache length* is how many tokens the KV cache holds; *logits width* is the
-model's output vocabulary, which may exceed the tokenizer's.
+Glossary:
+- *cache length*: how many tokens a row's KV cache holds; rows of a batch may differ.
+- *ragged cache*: per layer one preallocated buffer [rows, kv heads, capacity, head dim]; row b
+  holds its tokens at slots ``0 .. length[b]-1``. A forward writes each row's new keys right
+  after its own length (so a row never sees another row's tokens or padding), and truncation
+  only lowers a length: nothing moves.
+- *active rows*: the rows a forward runs over; the others are left untouched, so a finished row
+  costs nothing and a freed slot can be prefilled alone.
+- *counts*: how many of a row's block tokens are real; the rest is right padding, scored and
+  then dropped from that row's cache.
+- *logits width*: the model's output vocabulary, which may exceed the tokenizer's.
+
+Every forward gets an explicit additive mask [rows, 1, block, keys]: query i of row b sees
+slots ``0 .. length[b] + i``. The same mask works for transformers' eager and SDPA attention and
+tells the row-wise attention of ``runners.int8`` each query's visible length.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import SpecDecodeError
+
+CAPACITY_STEP = 256  # buffers grow in whole steps, the same rule at any batch size
+
+
+class _RaggedLayer(DynamicLayer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.capacity = 0
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, rows: list[int], starts: list[int], batch: int):
+        """keys/values [n, H, S, D] for ``rows``; row rows[j]'s block goes to slots starts[j]..+S."""
+        need = max(starts) + keys.shape[2]
+        if self.keys is None or self.keys.shape[0] != batch:
+            self._allocate(keys, batch, need)
+        elif need > self.capacity:
+            self._grow(need)
+        for j, (row, start) in enumerate(zip(rows, starts)):
+            self.keys[row, :, start : start + keys.shape[2]] = keys[j]
+            self.values[row, :, start : start + keys.shape[2]] = values[j]
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return self.keys[rows[0] : rows[0] + len(rows), :, :need], self.values[rows[0] : rows[0] + len(rows), :, :need]
+        index = torch.tensor(rows, device=self.keys.device)
+        return self.keys.index_select(0, index)[:, :, :need], self.values.index_select(0, index)[:, :, :need]
+
+    def _allocate(self, like: torch.Tensor, batch: int, need: int) -> None:
+        self.capacity = -(-need // CAPACITY_STEP) * CAPACITY_STEP
+        shape = (batch, like.shape[1], self.capacity, like.shape[3])
+        self.keys = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.values = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.device, self.is_initialized = like.device, True
+
+    def _grow(self, need: int) -> None:
+        capacity = -(-need // CAPACITY_STEP) * CAPACITY_STEP
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = torch.zeros(old.shape[:2] + (capacity,) + old.shape[3:], dtype=old.dtype, device=old.device)
+            new[:, :, : self.capacity] = old
+            setattr(self, name, new)
+        self.capacity = capacity
+
+
+class RaggedCache(Cache):
+    """A transformers Cache whose rows have their own lengths (see the module glossary)."""
+
+    def __init__(self, batch_size: int):
+        super().__init__(layers=[])
+        self.rows_total = batch_size
+        self.row_lengths = [0] * batch_size
+        self.rows: list[int] = list(range(batch_size))  # active rows of the forward in progress
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(_RaggedLayer())
+        starts = [self.row_lengths[r] for r in self.rows]
+        return self.layers[layer_idx].write(key_states, value_states, self.rows, starts, self.rows_total)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.row_lengths[r] for r in self.rows) if self.rows else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
 
 
 class HFRunner:
@@ -23,56 +99,83 @@ class HFRunner:
         config = model.config.get_text_config()
         self.vocab_size = int(model.get_output_embeddings().out_features)
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
-        self.cache: DynamicCache | None = None
-        self._batch = 1
-        self._length = 0
+        self.cache: RaggedCache | None = None  # made by reset, or by the first forward
 
     @property
     def lengths(self) -> torch.Tensor:  # [B]
-        return torch.full((self._batch,), self._length, dtype=torch.long)
+        return torch.tensor(self.cache.row_lengths if self.cache else [0], dtype=torch.long)
 
     def reset(self, batch_size: int = 1) -> None:
-        self.cache = DynamicCache(config=self.model.config)
-        self._batch = batch_size
-        self._length = 0
+        self.cache = RaggedCache(batch_size)
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, T] -> logits after the last token [B, V]."""
-        self.reset(ids.shape[0])
-        return self._run(ids, logits_to_keep=1)[:, -1]
-
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, S] -> logits [B, S, V] for each new position."""
-        if self.cache is None:
+    def prefill(self, ids: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """ids [n, T] -> logits after the last token [n, V]. With ``rows`` only those rows of the
+        current batch are emptied and refilled; without, the cache is reset to n rows."""
+        if rows is None:
             self.reset(ids.shape[0])
-        return self._run(ids, logits_to_keep=0)
+        elif self.cache is None:
+            raise ValueError("prefill of selected rows needs a batch: call reset(batch_size) first")
+        else:
+            for r in rows:
+                self.cache.row_lengths[r] = 0
+        return self._run(ids, rows, None, last_only=True)[:, -1]
+
+    @torch.inference_mode()
+    def forward(
+        self, ids: torch.Tensor, rows: Sequence[int] | None = None, counts: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """ids [n, S] -> logits [n, S, V]: append to ``rows`` (default: every row); row j keeps
+        only its first counts[j] tokens (default: all S)."""
+        return self._run(ids, rows, counts, last_only=False)
 
     def truncate(self, lengths: torch.Tensor) -> None:
-        """lengths [B]: keep exactly that many cached tokens per row (all rows equal here)."""
-        target = int(lengths[0])
-        if bool((lengths != target).any()):
-            raise ValueError("HFRunner keeps rows at one length; ragged truncation needs the batching layer")
-        if target > self._length or target < 0:
-            raise ValueError(f"cannot truncate a cache of {self._length} tokens to {target}")
-        if target < self._length and self.cache is not None:
-            self.cache.crop(target - self._length)
-        self._length = target
+        """lengths [B]: keep exactly that many cached tokens per row."""
+        if self.cache is None:
+            self.reset(len(lengths))
+        new = [int(n) for n in lengths]
+        if len(new) != self.cache.rows_total:
+            raise ValueError(f"{len(new)} lengths for a batch of {self.cache.rows_total} rows")
+        for row, (n, old) in enumerate(zip(new, self.cache.row_lengths)):
+            if not 0 <= n <= old:
+                raise ValueError(f"cannot truncate row {row} from {old} tokens to {n}")
+        self.cache.row_lengths = new
 
-    def _run(self, ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-        if ids.shape[0] != self._batch:
-            raise ValueError(f"batch of {ids.shape[0]} rows, cache has {self._batch}")
-        new_length = self._length + ids.shape[1]
-        if new_length > self.max_context:
-            raise SpecDecodeError(f"context of {new_length} tokens exceeds the model's {self.max_context}")
-        positions = torch.arange(self._length, new_length, device=self.device).expand(ids.shape[0], -1)
-        out = self.model(
-            input_ids=ids.to(self.device),
-            position_ids=positions,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
-        self._length = new_length
+    def _run(self, ids, rows, counts, last_only: bool) -> torch.Tensor:
+        if self.cache is None:
+            self.reset(ids.shape[0])
+        cache = self.cache
+        rows = list(range(cache.rows_total)) if rows is None else [int(r) for r in rows]
+        n, width = ids.shape
+        if n != len(rows):
+            raise ValueError(f"batch of {n} rows for {len(rows)} cache rows")
+        counts = [width] * n if counts is None else [int(c) for c in counts]
+        starts = [cache.row_lengths[r] for r in rows]
+        longest = max(s + c for s, c in zip(starts, counts))
+        if longest > self.max_context:
+            raise SpecDecodeError(f"context of {longest} tokens exceeds the model's {self.max_context}")
+        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)
+        cache.rows = rows
+        try:
+            out = self.model(
+                input_ids=ids.to(self.device),
+                position_ids=positions,
+                attention_mask=self._mask(starts, width),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1 if last_only else 0,
+            )
+        finally:
+            cache.rows = list(range(cache.rows_total))
+        for r, s, c in zip(rows, starts, counts):
+            cache.row_lengths[r] = s + c
         return out.logits
+
+    def _mask(self, starts: list[int], width: int) -> torch.Tensor:
+        """[n, 1, width, keys] additive mask: query i of row j sees slots 0 .. starts[j] + i."""
+        keys = max(starts) + width
+        visible = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)  # [n, S]
+        allowed = torch.arange(keys, device=self.device)[None, None, :] <= visible[:, :, None]  # [n, S, keys]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask[:, None]

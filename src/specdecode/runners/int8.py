@@ -73,28 +73,39 @@ def rowwise_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     """query [B, H, q, D] for the last q positions; key/value [B, Hkv, kv, D] -> ([B, q, H, D], None).
 
     Blocks up to ROWWISE_MAX_BLOCK tokens (every decode and verification step) are scored row by
-    row, bit-identically to scoring each token alone. A longer block is a prompt prefill, which
-    plain and speculative decoding run identically, so it takes transformers' batched SDPA.
+    row, bit-identically to scoring each token alone: query i of batch row b attends to exactly
+    the keys it may see (its row's slots up to its own position, read off the additive mask),
+    with the same call and shapes as when that token is decoded alone in a batch of one. A
+    longer block is a prompt prefill, which plain and speculative decoding run identically, so
+    it takes transformers' batched SDPA.
     """
     if query.shape[2] > ROWWISE_MAX_BLOCK:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    q_len, kv_len = query.shape[2], key.shape[2]
-    rows = []
-    for i in range(q_len):
-        visible = kv_len - (q_len - 1 - i)  # causal: row i sees keys up to its own position
-        rows.append(
+    batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+    if attention_mask is None:  # causal over the whole key range in every row
+        visible = (kv_len - q_len + 1 + torch.arange(q_len)).expand(batch, q_len)
+    else:  # [B, 1, q, kv] additive: 0 where a key is visible
+        visible = (attention_mask[:, 0] == 0).sum(-1)  # [B, q]
+    visible = visible.tolist()
+    out = []
+    for b in range(batch):
+        longest = max(visible[b])
+        row_key, row_value = key[b : b + 1, :, :longest], value[b : b + 1, :, :longest]
+        if groups > 1:
+            row_key = row_key.repeat_interleave(groups, dim=1)
+            row_value = row_value.repeat_interleave(groups, dim=1)
+        rows = [
             torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, i : i + 1], key[:, :, :visible], value[:, :, :visible], scale=scaling
+                query[b : b + 1, :, i : i + 1], row_key[:, :, : visible[b][i]], row_value[:, :, : visible[b][i]], scale=scaling
             )
-        )
-    out = torch.cat(rows, dim=2) if q_len > 1 else rows[0]  # [B, H, q, D]
-    return out.transpose(1, 2).contiguous(), None
+            for i in range(q_len)
+        ]
+        out.append(torch.cat(rows, dim=2) if q_len > 1 else rows[0])  # [1, H, q, D]
+    result = torch.cat(out) if batch > 1 else out[0]
+    return result.transpose(1, 2).contiguous(), None
 
 
 def use_rowwise_attention(model: nn.Module) -> None:
