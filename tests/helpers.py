@@ -85,19 +85,23 @@ class TableRunner:
     def reset(self, batch_size: int = 1) -> None:
         self.tokens = [[] for _ in range(batch_size)]
 
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        self.reset(ids.shape[0])
-        return self.forward(ids)[:, -1]
+    def prefill(self, ids: torch.Tensor, rows=None) -> torch.Tensor:
+        if rows is None:
+            self.reset(ids.shape[0])
+        else:
+            for r in rows:
+                self.tokens[r] = []
+        return self.forward(ids, rows=rows)[:, -1]
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, rows=None, counts=None) -> torch.Tensor:
+        """Append to ``rows`` (default: all); row j keeps its first counts[j] tokens (the rest is padding)."""
+        rows = range(len(self.tokens)) if rows is None else rows
         out = []
-        for row, new in zip(self.tokens, ids.tolist()):
-            logits = []
-            for t in new:
-                prev = row[-1] if row else 0
-                row.append(t)
-                logits.append(self.table[prev, t])
-            out.append(torch.stack(logits))
+        for j, (r, new) in enumerate(zip(rows, ids.tolist())):
+            row = self.tokens[r]
+            seq = row + new
+            out.append(torch.stack([self.table[seq[p - 1] if p > 0 else 0, seq[p]] for p in range(len(row), len(seq))]))
+            row.extend(new if counts is None else new[: counts[j]])
         return torch.stack(out)
 
     def truncate(self, lengths: torch.Tensor) -> None:
