@@ -177,3 +177,55 @@ def test_bench_and_tune_commands_end_to_end(saved, tmp_path, capsys):
     assert "recommended: --gamma" in capsys.readouterr().out
     assert main(["bench", *common, "--methods", "ar,warp"]) == 2
     assert "unknown method" in capsys.readouterr().err
+
+
+def test_generate_batch_api_rows_equal_single_requests(generators):
+    spec, plain = generators
+    prompts = ["hello world", "ab", {"prompt": "def f(x):", "max_new_tokens": 9}, "xyz " * 5]
+    batch = spec.generate_batch(prompts, max_new_tokens=30, batch_size=3)
+    for item, result in zip(prompts, batch.results):
+        text = item["prompt"] if isinstance(item, dict) else item
+        ref = plain.generate(text, max_new_tokens=item.get("max_new_tokens", 30) if isinstance(item, dict) else 30)
+        assert result.token_ids == ref.token_ids and result.text == ref.text and result.finish_reason == ref.finish_reason
+    assert batch.stats.batch_size == 3 and batch.stats.new_tokens == sum(len(r.token_ids) for r in batch.results)
+    stop = plain.generate("ab", max_new_tokens=40).text[10:12]
+    stopped = spec.generate_batch(["ab", "hello world"], max_new_tokens=40, stop=[stop], batch_size=2).results
+    assert stopped[0].finish_reason == "stop" and stop not in stopped[0].text
+    assert stopped[0].text == plain.generate("ab", max_new_tokens=40, stop=[stop]).text
+
+
+def test_cli_prompts_file_jsonl_in_and_out(saved, tmp_path):
+    lines = [{"prompt": "def f(x):", "id": "a"}, {"prompt": "ab", "max_new_tokens": 5}, {"prompt": "hello", "seed": 3}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(l) for l in lines) + "\n")
+    common = ["generate", "--prompts-file", str(path), "--target", str(saved / "target"), "--dtype", "float64",
+              "--max-new-tokens", "20"]
+    code, out, err = run_cli(*common, "--draft", str(saved / "draft"), "--gamma", "3", "--batch-size", "2")
+    assert code == 0, err
+    rows = [json.loads(l) for l in out.strip().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2] and rows[0]["id"] == "a" and len(rows[1]["token_ids"]) <= 5
+    assert "batch size 2" in err.strip().splitlines()[-1] and "tok/s aggregate" in err
+    for row, line in zip(rows, lines):
+        code, single, _ = run_cli("generate", line["prompt"], "--target", str(saved / "target"), "--dtype", "float64",
+                                  "--max-new-tokens", str(line.get("max_new_tokens", 20)), "--draft", "none", "--json")
+        assert json.loads(single)["token_ids"] == row["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "content, flags, message",
+    [
+        ("not json\n", [], "line 1: not valid JSON"),
+        ('{"text": "x"}\n', [], 'string "prompt"'),
+        ('{"prompt": "x", "max_new_tokens": 0}\n', [], "must be a positive integer"),
+        ("\n", [], "holds no prompts"),
+        ('{"prompt": "x"}\n', ["--batch-size", "0"], "--batch-size must be at least 1"),
+        ('{"prompt": "x"}\n', ["extra prompt"], "not both"),
+    ],
+)
+def test_cli_bad_prompts_file_is_one_line(saved, tmp_path, capsys, content, flags, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    code = main(["generate", *flags, "--prompts-file", str(path), "--target", str(saved / "target"), "--draft", "none"])
+    err = capsys.readouterr().err
+    lines = [l for l in err.strip().splitlines() if l.startswith("specdecode")]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err

@@ -22,7 +22,7 @@ from .config import SamplingParams, SpecConfig
 from .drafters import ModelDrafter
 from .drafters.hybrid import HybridDrafter
 from .drafters.ngram import NgramDrafter
-from .engine import GenerationStats, SpecEngine
+from .engine import BatchRequest, BatchStats, GenerationStats, SpecEngine
 from .errors import SpecDecodeError
 from .text import TextStream
 
@@ -64,6 +64,15 @@ class GenerationStream:
 
     def close(self) -> None:
         self._chunks.close()  # type: ignore[attr-defined]
+
+
+@dataclass
+class BatchResult:
+    results: list[GenerationResult]  # in the order of the prompts
+    stats: BatchStats
+
+    def to_dict(self) -> dict:
+        return {"batch": self.stats.to_dict(), "results": [r.to_dict() for r in self.results]}
 
 
 class SpeculativeGenerator:
@@ -193,6 +202,61 @@ class SpeculativeGenerator:
             pass
         assert stream.result is not None
         return stream.result
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[int] | dict],
+        params: SamplingParams | None = None,
+        *,
+        batch_size: int = 8,
+        chat: bool = False,
+        **sampling,
+    ) -> BatchResult:
+        """Decode many prompts, ``batch_size`` rows at a time (finished rows are refilled).
+
+        A prompt is text, token ids, or a dict with ``prompt`` and optional ``max_new_tokens``
+        and ``seed``. Sampling settings are shared; a row without its own seed gets
+        ``params.seed + its index`` (random when params.seed is None). A row gives the same
+        tokens alone or in any batch for the same seed (fixed gamma, batch-invariant runners)."""
+        params = params or SamplingParams(**_stop_tuple(sampling))
+        if batch_size > 1 and not getattr(self.target_runner, "supports_batches", False):
+            raise SpecDecodeError("the target runner decodes one row at a time", field="batch_size")
+        if batch_size > 1 and self._draft_runner is not None and not getattr(self._draft_runner, "supports_batches", False):
+            raise SpecDecodeError("the draft runner decodes one row at a time; batches need --draft-runner int8 or hf",
+                                  field="batch_size")
+        rows, texts = [], []
+        for i, item in enumerate(prompts):
+            spec = item if isinstance(item, dict) else {"prompt": item}
+            if "prompt" not in spec:
+                raise SpecDecodeError(f"prompt {i}: missing 'prompt'", field="prompt")
+            row_params = SamplingParams(
+                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, stop=params.stop,
+                max_new_tokens=spec.get("max_new_tokens", params.max_new_tokens),
+                seed=spec.get("seed", None if params.seed is None else params.seed + i),
+            )
+            ids = self.encode(spec["prompt"], chat)
+            self.engine.check_fits(len(ids), row_params.max_new_tokens)
+            generator = torch.Generator(device=self.target_runner.device)
+            generator.seed() if row_params.seed is None else generator.manual_seed(row_params.seed)
+            rows.append(BatchRequest(ids, row_params.max_new_tokens, generator))
+            texts.append(TextStream(self.tokenizer, ids, params.stop))
+        stats = BatchStats()
+        finish: list[str | None] = [None] * len(rows)
+        for step in self.engine.generate_batch(rows, params, self.eos_ids, batch_size=batch_size, stats=stats):
+            text = texts[step.index]
+            delta = text.push(step.tokens)
+            if delta.stopped:
+                rows[step.index].stats.new_tokens -= len(step.tokens) - delta.kept_tokens
+                stats.new_tokens -= len(step.tokens) - delta.kept_tokens
+                rows[step.index].cancelled = True
+                finish[step.index] = "stop"
+            elif step.finish_reason is not None:
+                finish[step.index] = step.finish_reason
+            if finish[step.index] is not None:
+                text.finish()
+        results = [GenerationResult(t.text, list(t.token_ids), f or "length", len(r.prompt_ids), r.stats)
+                   for t, r, f in zip(texts, rows, finish)]
+        return BatchResult(results, stats)
 
     def _chunks(self, engine, prompt_ids, params, stream: GenerationStream) -> Iterator[StreamChunk]:
         stats = GenerationStats()

@@ -55,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streaming it")
-    gen.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    gen.add_argument("prompt", nargs="?", help="the prompt text ('-' reads standard input)")
+    gen.add_argument("--prompts-file", default=None,
+                     help="JSONL, one object per line: {\"prompt\": ..., optional \"max_new_tokens\", \"seed\", \"id\"}; "
+                          "decodes them in batches and prints one JSON object per line, in order")
+    gen.add_argument("--batch-size", type=int, default=4,
+                     help="rows decoded together with --prompts-file (default: %(default)s; a finished row's slot takes the next prompt)")
     _add_model_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -163,19 +168,72 @@ def _drafter_kind(args) -> str | None:
     return args.drafter
 
 
-def _load_generator(args, progress: bool = True):
-    """The generator the model and drafting flags describe (settings are validated before loading)."""
+def _load_generator(args, progress: bool = True, batched: bool = False):
+    """The generator the model and drafting flags describe (settings are validated before loading).
+    batched: rows are decoded together, so an auto draft runner is one that batches (int8)."""
     from .api import SpeculativeGenerator
 
+    draft_runner = "int8" if batched and args.draft_runner == "auto" and args.device == "cpu" and args.dtype == "float32" else args.draft_runner
     return SpeculativeGenerator.from_pretrained(
         args.target, _draft_reference(args), gamma=_gamma(args.gamma), drafter=_drafter_kind(args),
         draft_confidence=args.draft_confidence, device=args.device, dtype=args.dtype,
-        runner=args.runner, draft_runner=args.draft_runner, progress=progress,
+        runner=args.runner, draft_runner=draft_runner, progress=progress,
     )
+
+
+def read_prompts_file(path: str) -> list[dict]:
+    """JSONL prompts -> dicts with 'prompt' (and optional max_new_tokens, seed, id); one-line errors."""
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as exc:
+        raise SpecDecodeError(f"cannot read prompts file {path}: {exc.strerror}", field="prompts_file") from None
+    items = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            raise SpecDecodeError(f"{path} line {number}: not valid JSON", field="prompts_file") from None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+            raise SpecDecodeError(f"{path} line {number}: expected an object with a string \"prompt\"", field="prompts_file")
+        for key in ("max_new_tokens", "seed"):
+            if key in item and (not isinstance(item[key], int) or isinstance(item[key], bool) or item[key] < (1 if key == "max_new_tokens" else 0)):
+                raise SpecDecodeError(f"{path} line {number}: \"{key}\" must be a {'positive' if key == 'max_new_tokens' else 'non-negative'} integer",
+                                      field="prompts_file")
+        items.append(item)
+    if not items:
+        raise SpecDecodeError(f"{path} holds no prompts", field="prompts_file")
+    return items
+
+
+def _generate_file(args, params) -> int:
+    if args.prompt is not None:
+        raise SpecDecodeError("give either a prompt or --prompts-file, not both", field="prompt")
+    if args.batch_size < 1:
+        raise SpecDecodeError("--batch-size must be at least 1", field="batch_size")
+    items = read_prompts_file(args.prompts_file)
+    t0 = time.perf_counter()
+    gen = _load_generator(args, progress=True, batched=args.batch_size > 1)
+    print(f"[loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr, flush=True)
+    batch = gen.generate_batch([{k: v for k, v in item.items() if k != "id"} for item in items], params,
+                               batch_size=args.batch_size, chat=args.chat)
+    for index, (item, result) in enumerate(zip(items, batch.results)):
+        line = {"index": index, **({"id": item["id"]} if "id" in item else {}), **result.to_dict()}
+        print(json.dumps(line), flush=True)
+    b = batch.stats
+    print(f"[{len(items)} prompts, batch size {b.batch_size}: {b.new_tokens} tokens in {b.wall_seconds:.2f}s, "
+          f"{b.tokens_per_second:.2f} tok/s aggregate; {b.target_forwards} batched target forwards, "
+          f"{b.rows_per_forward:.2f} rows per forward]", file=sys.stderr)
+    return 0
 
 
 def _generate(args) -> int:
     params = _sampling_from(args)
+    if args.prompts_file is not None:
+        return _generate_file(args, params)
+    if args.prompt is None:
+        raise SpecDecodeError("give a prompt (or '-' for standard input, or --prompts-file FILE)", field="prompt")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     t0 = time.perf_counter()
     gen = _load_generator(args, progress=not args.json)

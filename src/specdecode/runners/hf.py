@@ -92,6 +92,8 @@ class RaggedCache(Cache):
 
 
 class HFRunner:
+    supports_batches = True  # prefill(rows=...), forward(rows=..., counts=...), ragged truncate
+
     def __init__(self, model: PreTrainedModel):
         self.model = model.eval()
         self.device = next(model.parameters()).device

@@ -25,6 +25,8 @@ def llamacpp_available() -> bool:
 
 
 class LlamaCppRunner:
+    supports_batches = False  # one row (sequence 0)
+
     def __init__(self, gguf_path: str, n_ctx: int = 4096, threads: int | None = None, n_batch: int = 512):
         try:
             from llama_cpp import Llama
