@@ -229,3 +229,19 @@ def test_cli_bad_prompts_file_is_one_line(saved, tmp_path, capsys, content, flag
     err = capsys.readouterr().err
     lines = [l for l in err.strip().splitlines() if l.startswith("specdecode")]
     assert code == 2 and len(lines) == 1 and message in lines[0], err
+
+
+def test_bench_batch_mode_end_to_end(saved, tmp_path, capsys):
+    suite = tmp_path / "s.jsonl"
+    suite.write_text('{"prompt": "def f(x):"}\n{"prompt": "abc abc"}\n{"prompt": "hello"}\n')
+    common = ["--target", str(saved / "target"), "--draft", str(saved / "draft"), "--suite", f"file:{suite}",
+              "--max-new-tokens", "8", "--gamma", "3"]
+    out = tmp_path / "b" / "batch.json"
+    assert main(["bench", *common, "--batch-size", "1,2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["batch"]) == {"1", "2"} and set(result["batch"]["2"]) == {"ar", "draft", "hf"}
+    assert result["config"]["draft_runner"] == "int8" and result["batch"]["2"]["draft"]["mismatches"] == 0
+    assert main(["bench", *common, "--batch-size", "0"]) == 2
+    assert "--batch-size takes positive integers" in capsys.readouterr().err
+    assert main(["bench", *common, "--batch-size", "2", "--methods", "ar,hf-assisted"]) == 2
+    assert "with --batch-size, methods are" in capsys.readouterr().err

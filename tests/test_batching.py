@@ -246,3 +246,21 @@ def test_a_broken_verifier_fails_the_batched_test():
     engine = SpecEngine(target, ModelDrafter(draft, min_confidence=0.3), SpecConfig(gamma=GAMMA), verifier=accept_every_real_draft)
     tv, threshold, p_value, _ = compare(exact_joint(target, params), sample_rows_in_batches(engine, params, SAMPLES), SAMPLES)
     assert tv > threshold and p_value < 1e-6, (tv, threshold, p_value)
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm engine")
+def test_transformers_left_padded_batch_over_int8_matches_its_rows_alone():
+    """The bench's batched hf method: row-wise attention gathers exactly the unpadded keys."""
+    model = prepare_int8(tiny_model("qwen2", seed=3, vocab_size=VOCAB, dtype=torch.float32, init=0.1))
+    prompts = mixed_prompts(3, seed=8)
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((3, width), dtype=torch.long)
+    mask = torch.zeros((3, width), dtype=torch.long)
+    for j, p in enumerate(prompts):
+        ids[j, width - len(p):] = torch.tensor(p)
+        mask[j, width - len(p):] = 1
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    batched = model.generate(ids, attention_mask=mask, **kwargs)[:, width:]
+    for j, p in enumerate(prompts):
+        alone = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), **kwargs)
+        assert batched[j].tolist() == alone[0, len(p):].tolist()

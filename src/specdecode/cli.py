@@ -70,8 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     _add_sampling_args(bench)
     _add_suite_args(bench, limit=10)
-    bench.add_argument("--methods", default="ar,draft,draft-hf,ngram,hf,hf-assisted,hf-lookup",
-                       help="comma-separated methods (default: %(default)s)")
+    bench.add_argument("--methods", default=None,
+                       help="comma-separated methods (default: ar,draft,draft-hf,ngram,hf,hf-assisted,hf-lookup)")
+    bench.add_argument("--batch-size", default=None,
+                       help="batch sizes, e.g. 1,4,8: measure aggregate tokens/s of batched decoding instead "
+                            "(methods ar, draft, ngram, hf; default methods ar,draft,hf)")
     bench.add_argument("--out", default="bench-out/bench.json", help="JSON results; the .md report and PNG plots go beside it")
     bench.add_argument("--no-cost-model", action="store_true", help="skip the k-token cost curve measurement")
 

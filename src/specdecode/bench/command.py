@@ -17,6 +17,9 @@ from .methods import METHODS, NEEDS_DRAFT, BenchContext
 from .suites import load_suite
 
 
+DEFAULT_METHODS = "ar,draft,draft-hf,ngram,hf,hf-assisted,hf-lookup"
+
+
 def _load(args):
     import torch
 
@@ -24,15 +27,18 @@ def _load(args):
 
     from .. import models
 
+    draft_runner = args.draft_runner
+    if getattr(args, "batch_sizes", None) and draft_runner == "auto" and args.device == "cpu" and args.dtype == "float32":
+        draft_runner = "int8"  # batches need a draft runner that batches; llama.cpp runs one row
     spec = SpeculativeGenerator.from_pretrained(args.target, args.draft, gamma=args.gamma, device=args.device,
-                                                dtype=args.dtype, runner=args.runner, draft_runner=args.draft_runner,
+                                                dtype=args.dtype, runner=args.runner, draft_runner=draft_runner,
                                                 draft_confidence=args.draft_confidence)
     plain = spec.variant(None)
     ngram = spec.variant("ngram")
     hybrid = spec.variant("hybrid") if spec.draft is not None else None
     auto = spec.variant("model", gamma="auto") if spec.draft is not None else None
     hf_draft = None
-    if spec.draft is not None and spec.draft.model is None:  # a llama.cpp draft: load its transformers twin
+    if spec.draft is not None and spec.draft.model is None and not getattr(args, "batch_sizes", None):  # a llama.cpp draft: load its transformers twin
         twin = models.load(args.draft, models.parse_device(args.device), models.parse_dtype(args.dtype),
                            runner=spec.target.runner, role="draft")
         hf_draft = SpeculativeGenerator(spec.target, twin, gamma=args.gamma, runners=(spec.target_runner, None))
@@ -52,8 +58,54 @@ def parse_methods(text: str, has_draft: bool) -> list[str]:
     return methods
 
 
+def parse_batch_sizes(text: str | None) -> list[int]:
+    if text is None:
+        return []
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(b < 1 for b in sizes):
+        raise SpecDecodeError(f"--batch-size takes positive integers separated by commas, not '{text}'", field="batch_size")
+    return sizes
+
+
+def run_batch_command(args, params: SamplingParams, command_line: str, has_draft: bool) -> int:
+    from tqdm import tqdm
+
+    from .batch import BATCH_METHODS, batch_markdown, format_batch_table, run_batch_suite
+
+    methods = [m.strip() for m in (args.methods or "ar,draft,hf").split(",") if m.strip()]
+    unknown = [m for m in methods if m not in BATCH_METHODS]
+    if unknown:
+        raise SpecDecodeError(f"with --batch-size, methods are {', '.join(BATCH_METHODS)} (not {', '.join(unknown)})", field="methods")
+    if "draft" in methods and not has_draft:
+        raise SpecDecodeError("method draft needs a --draft model", field="methods")
+    if "ar" not in methods:
+        methods.insert(0, "ar")
+    prompts = load_suite(args.suite, args.limit, args.offset)
+    ctx = _load(args)
+    batch = run_batch_suite(ctx, prompts, methods, params, args.batch_sizes,
+                            progress=lambda total: tqdm(total=total, desc="batch runs", file=sys.stderr))
+    result = {"config": {
+        "command": command_line, "target": args.target, "draft": args.draft, "gamma": args.gamma, "device": args.device,
+        "dtype": args.dtype, "suite": args.suite, "prompts": len(prompts), "offset": args.offset,
+        "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "methods": methods,
+        "batch_sizes": args.batch_sizes, "runner": ctx.spec.target.runner,
+        "draft_runner": ctx.spec.draft.runner if ctx.spec.draft else None,
+    }, **batch}
+    print(format_batch_table(batch))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(batch_markdown(batch, command_line))
+    print(f"wrote {out}, {out.with_suffix('.md')}", file=sys.stderr)
+    return 0
+
+
 def run_command(args, params: SamplingParams, command_line: str) -> int:
     args.gamma = int(args.gamma) if args.gamma.isdigit() else args.gamma
+    args.batch_sizes = parse_batch_sizes(getattr(args, "batch_size", None))
     if args.gamma == "auto":
         raise SpecDecodeError("bench runs fixed-gamma methods; the adaptive one is the method draft-auto", field="gamma")
     SpecConfig(gamma=args.gamma, draft_confidence=args.draft_confidence)
@@ -61,7 +113,9 @@ def run_command(args, params: SamplingParams, command_line: str) -> int:
         raise SpecDecodeError("bench picks drafters by --methods (ngram, hybrid, ...); leave --drafter at model",
                               field="drafter")
     has_draft = args.draft is not None and args.draft.lower() not in ("none", "ngram")
-    methods = parse_methods(args.methods, has_draft) if args.command == "bench" else ["ar", "draft"]
+    if args.batch_sizes:
+        return run_batch_command(args, params, command_line, has_draft)
+    methods = parse_methods(args.methods or DEFAULT_METHODS, has_draft) if args.command == "bench" else ["ar", "draft"]
     if args.command == "tune" and not has_draft:
         raise SpecDecodeError("tune needs a --draft model", field="draft")
     prompts = load_suite(args.suite, args.limit, args.offset)

@@ -85,33 +85,56 @@ def rowwise_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
-    if attention_mask is None:  # causal over the whole key range in every row
-        visible = (kv_len - q_len + 1 + torch.arange(q_len)).expand(batch, q_len)
-    else:  # [B, 1, q, kv] additive: 0 where a key is visible
-        visible = (attention_mask[:, 0] == 0).sum(-1)  # [B, q]
-    visible = visible.tolist()
+    allowed, visible = _visibility(attention_mask, batch, q_len, kv_len)
     out = []
     for b in range(batch):
-        longest = max(visible[b])
+        longest = kv_len if allowed is not None else max(visible[b])
         row_key, row_value = key[b : b + 1, :, :longest], value[b : b + 1, :, :longest]
         if groups > 1:
             row_key = row_key.repeat_interleave(groups, dim=1)
             row_value = row_value.repeat_interleave(groups, dim=1)
-        rows = [
-            torch.nn.functional.scaled_dot_product_attention(
-                query[b : b + 1, :, i : i + 1], row_key[:, :, : visible[b][i]], row_value[:, :, : visible[b][i]], scale=scaling
-            )
-            for i in range(q_len)
-        ]
+        rows = []
+        for i in range(q_len):
+            if allowed is None:
+                k, v = row_key[:, :, : visible[b][i]], row_value[:, :, : visible[b][i]]
+            else:  # e.g. transformers' left padding: gather exactly the visible keys
+                k, v = row_key[:, :, allowed[b, i]], row_value[:, :, allowed[b, i]]
+            rows.append(torch.nn.functional.scaled_dot_product_attention(query[b : b + 1, :, i : i + 1], k, v, scale=scaling))
         out.append(torch.cat(rows, dim=2) if q_len > 1 else rows[0])  # [1, H, q, D]
     result = torch.cat(out) if batch > 1 else out[0]
     return result.transpose(1, 2).contiguous(), None
 
 
+_last_visibility: list = [None, None, None]  # [mask, shape key, result]: every layer of a pass shares its mask
+
+
+def _visibility(attention_mask, batch: int, q_len: int, kv_len: int):
+    """-> (None, visible [B][q]) when each query sees a prefix of its row's keys, else
+    (allowed [B, q, kv] bool, counts). Computed once per pass (the layers share the mask)."""
+    key = (batch, q_len, kv_len)
+    if attention_mask is not None and _last_visibility[0] is attention_mask and _last_visibility[1] == key:
+        return _last_visibility[2]
+    if attention_mask is None:  # causal over the whole key range in every row
+        result = None, (kv_len - q_len + 1 + torch.arange(q_len)).expand(batch, q_len).tolist()
+    else:  # [B or 1, 1, q, kv], additive (0 where visible) or boolean (True where visible)
+        mask = attention_mask[:, 0, :, :kv_len]
+        allowed = (mask if mask.dtype == torch.bool else mask == 0).expand(batch, q_len, kv_len)
+        counts = allowed.sum(-1)  # [B, q]
+        prefix = bool((allowed.long().cumprod(-1).sum(-1) == counts).all())
+        # a prefix (our ragged cache) is sliced; anything else (transformers' left padding) gathered
+        result = (None if prefix else allowed), counts.tolist()
+        _last_visibility[:] = [attention_mask, key, result]
+    return result
+
+
 def use_rowwise_attention(model: nn.Module) -> None:
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register(ROWWISE_ATTENTION, rowwise_attention)
+    # transformers' own generate (the bench's Hugging Face methods, batched with left padding)
+    # then builds an additive mask for it; our runner always passes its own 4D mask
+    AttentionMaskInterface.register(ROWWISE_ATTENTION, eager_mask)
     model.set_attn_implementation(ROWWISE_ATTENTION)
 
 
