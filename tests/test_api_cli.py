@@ -204,6 +204,7 @@ def test_cli_prompts_file_jsonl_in_and_out(saved, tmp_path):
     assert code == 0, err
     rows = [json.loads(l) for l in out.strip().splitlines()]
     assert [r["index"] for r in rows] == [0, 1, 2] and rows[0]["id"] == "a" and len(rows[1]["token_ids"]) <= 5
+    assert all(r["batch_size"] == 2 and r["stats"]["new_tokens"] == len(r["token_ids"]) for r in rows)
     assert "batch size 2" in err.strip().splitlines()[-1] and "tok/s aggregate" in err
     for row, line in zip(rows, lines):
         code, single, _ = run_cli("generate", line["prompt"], "--target", str(saved / "target"), "--dtype", "float64",

@@ -185,6 +185,16 @@ def test_int8_rows_are_bit_identical_alone_and_batched():
     alone.prefill(torch.tensor([prompts[2] + block[2, :4].tolist()]))
     assert torch.equal(later[1], alone.forward(block[1:2, :1])[0])
     assert runner.lengths.tolist() == [len(prompts[0]) + 6, len(prompts[1]) + 2, len(prompts[2]) + 5]
+    # ragged blocks run packed (no padding computed); the unpacked padded pass gives the same bits
+    assert runner._packs()
+    padded = HFRunner(copy.deepcopy(model))
+    padded._packs = lambda: False
+    padded.reset(3)
+    for row, p in enumerate(prompts):
+        padded.prefill(torch.tensor([p]), rows=[row])
+    unpacked = padded.forward(block, counts=counts)
+    for row, c in enumerate(counts):
+        assert torch.equal(unpacked[row, :c], batched[row, :c])
 
 
 @pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm engine")

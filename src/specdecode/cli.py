@@ -222,7 +222,8 @@ def _generate_file(args, params) -> int:
     batch = gen.generate_batch([{k: v for k, v in item.items() if k != "id"} for item in items], params,
                                batch_size=args.batch_size, chat=args.chat)
     for index, (item, result) in enumerate(zip(items, batch.results)):
-        line = {"index": index, **({"id": item["id"]} if "id" in item else {}), **result.to_dict()}
+        line = {"index": index, **({"id": item["id"]} if "id" in item else {}), "batch_size": batch.stats.batch_size,
+                **result.to_dict()}
         print(json.dumps(line), flush=True)
     b = batch.stats
     print(f"[{len(items)} prompts, batch size {b.batch_size}: {b.new_tokens} tokens in {b.wall_seconds:.2f}s, "

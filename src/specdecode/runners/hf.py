@@ -47,6 +47,21 @@ class _RaggedLayer(DynamicLayer):
         for j, (row, start) in enumerate(zip(rows, starts)):
             self.keys[row, :, start : start + keys.shape[2]] = keys[j]
             self.values[row, :, start : start + keys.shape[2]] = values[j]
+        return self._view(rows, need)
+
+    def write_packed(self, keys: torch.Tensor, values: torch.Tensor, token_rows: torch.Tensor,
+                     token_slots: torch.Tensor, need: int, batch: int):
+        """keys/values [1, H, T, D] of T tokens from several rows: token t goes to row token_rows[t],
+        slot token_slots[t]. Returns every row's buffer up to ``need`` slots."""
+        if self.keys is None or self.keys.shape[0] != batch:
+            self._allocate(keys, batch, need)
+        elif need > self.capacity:
+            self._grow(need)
+        self.keys[token_rows, :, token_slots] = keys[0].transpose(0, 1)
+        self.values[token_rows, :, token_slots] = values[0].transpose(0, 1)
+        return self.keys[:, :, :need], self.values[:, :, :need]
+
+    def _view(self, rows: list[int], need: int):
         if rows == list(range(rows[0], rows[0] + len(rows))):
             return self.keys[rows[0] : rows[0] + len(rows), :, :need], self.values[rows[0] : rows[0] + len(rows), :, :need]
         index = torch.tensor(rows, device=self.keys.device)
@@ -69,6 +84,21 @@ class _RaggedLayer(DynamicLayer):
         self.capacity = capacity
 
 
+class PackedLayout:
+    """A packed forward: the real tokens of several rows in one sequence [1, T] (no padding).
+
+    Segment j is row ``rows[j]``: tokens ``offsets[j] .. offsets[j] + counts[j] - 1`` of the
+    sequence, at slots ``starts[j] ..`` of that row. Only the row-wise attention of
+    ``runners.int8`` reads it (it travels on the mask tensor as ``specdecode_packed``)."""
+
+    def __init__(self, rows: list[int], starts: list[int], counts: list[int], device):
+        self.rows, self.starts, self.counts = rows, starts, counts
+        self.offsets = [sum(counts[:j]) for j in range(len(counts))]
+        self.need = max(s + c for s, c in zip(starts, counts))
+        self.token_rows = torch.tensor([r for r, c in zip(rows, counts) for _ in range(c)], device=device)
+        self.token_slots = torch.tensor([s + i for s, c in zip(starts, counts) for i in range(c)], device=device)
+
+
 class RaggedCache(Cache):
     """A transformers Cache whose rows have their own lengths (see the module glossary)."""
 
@@ -77,10 +107,14 @@ class RaggedCache(Cache):
         self.rows_total = batch_size
         self.row_lengths = [0] * batch_size
         self.rows: list[int] = list(range(batch_size))  # active rows of the forward in progress
+        self.packed: PackedLayout | None = None  # set during a packed forward
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         while len(self.layers) <= layer_idx:
             self.layers.append(_RaggedLayer())
+        if self.packed is not None:
+            p = self.packed
+            return self.layers[layer_idx].write_packed(key_states, value_states, p.token_rows, p.token_slots, p.need, self.rows_total)
         starts = [self.row_lengths[r] for r in self.rows]
         return self.layers[layer_idx].write(key_states, value_states, self.rows, starts, self.rows_total)
 
@@ -156,6 +190,8 @@ class HFRunner:
         longest = max(s + c for s, c in zip(starts, counts))
         if longest > self.max_context:
             raise SpecDecodeError(f"context of {longest} tokens exceeds the model's {self.max_context}")
+        if not last_only and n > 1 and sum(counts) < n * width and self._packs():
+            return self._run_packed(ids, rows, starts, counts)
         positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)
         cache.rows = rows
         try:
@@ -172,6 +208,34 @@ class HFRunner:
         for r, s, c in zip(rows, starts, counts):
             cache.row_lengths[r] = s + c
         return out.logits
+
+    def _packs(self) -> bool:
+        """Ragged blocks run packed (no padding computed) when the model uses the row-wise attention."""
+        from .int8 import ROWWISE_ATTENTION
+
+        return getattr(self.model.config, "_attn_implementation", None) == ROWWISE_ATTENTION
+
+    def _run_packed(self, ids, rows, starts, counts) -> torch.Tensor:
+        """Score only the real tokens, as one sequence; logits come back padded [n, S, V] (zeros in padding)."""
+        cache = self.cache
+        layout = PackedLayout(rows, starts, counts, self.device)
+        flat = torch.cat([ids[j, :c] for j, c in enumerate(counts)])[None]
+        positions = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])[None].to(self.device)
+        marker = torch.zeros((1, 1, flat.shape[1], 1), dtype=self.dtype, device=self.device)
+        marker.specdecode_packed = layout
+        cache.packed = layout
+        try:
+            out = self.model(input_ids=flat.to(self.device), position_ids=positions, attention_mask=marker,
+                             cache=cache, use_cache=True, logits_to_keep=0)
+        finally:
+            cache.packed = None
+        logits = out.logits[0]  # [T, V]
+        padded = logits.new_zeros((len(rows), ids.shape[1], logits.shape[-1]))
+        for j, (o, c) in enumerate(zip(layout.offsets, counts)):
+            padded[j, :c] = logits[o : o + c]
+        for r, s, c in zip(rows, starts, counts):
+            cache.row_lengths[r] = s + c
+        return padded
 
     def _mask(self, starts: list[int], width: int) -> torch.Tensor:
         """[n, 1, width, keys] additive mask: query i of row j sees slots 0 .. starts[j] + i."""

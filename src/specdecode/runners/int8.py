@@ -79,6 +79,9 @@ def rowwise_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     longer block is a prompt prefill, which plain and speculative decoding run identically, so
     it takes transformers' batched SDPA.
     """
+    packed = getattr(attention_mask, "specdecode_packed", None)
+    if packed is not None:
+        return _packed_attention(module, query, key, value, packed, scaling)
     if query.shape[2] > ROWWISE_MAX_BLOCK:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -103,6 +106,23 @@ def rowwise_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         out.append(torch.cat(rows, dim=2) if q_len > 1 else rows[0])  # [1, H, q, D]
     result = torch.cat(out) if batch > 1 else out[0]
     return result.transpose(1, 2).contiguous(), None
+
+
+def _packed_attention(module, query, key, value, layout, scaling):
+    """query [1, H, T, D] holding several rows' tokens (see runners.hf.PackedLayout); key/value
+    [B, Hkv, kv, D] per row. Each query gets the same single-query call as when decoded alone."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    out = []
+    for row, start, count, offset in zip(layout.rows, layout.starts, layout.counts, layout.offsets):
+        row_key, row_value = key[row : row + 1, :, : start + count], value[row : row + 1, :, : start + count]
+        if groups > 1:
+            row_key = row_key.repeat_interleave(groups, dim=1)
+            row_value = row_value.repeat_interleave(groups, dim=1)
+        for i in range(count):
+            out.append(torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, offset + i : offset + i + 1], row_key[:, :, : start + i + 1], row_value[:, :, : start + i + 1],
+                scale=scaling))
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
 
 
 _last_visibility: list = [None, None, None]  # [mask, shape key, result]: every layer of a pass shares its mask
