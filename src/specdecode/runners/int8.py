@@ -93,19 +93,30 @@ def rowwise_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     for b in range(batch):
         longest = kv_len if allowed is not None else max(visible[b])
         row_key, row_value = key[b : b + 1, :, :longest], value[b : b + 1, :, :longest]
-        if groups > 1:
-            row_key = row_key.repeat_interleave(groups, dim=1)
-            row_value = row_value.repeat_interleave(groups, dim=1)
         rows = []
         for i in range(q_len):
             if allowed is None:
                 k, v = row_key[:, :, : visible[b][i]], row_value[:, :, : visible[b][i]]
             else:  # e.g. transformers' left padding: gather exactly the visible keys
                 k, v = row_key[:, :, allowed[b, i]], row_value[:, :, allowed[b, i]]
-            rows.append(torch.nn.functional.scaled_dot_product_attention(query[b : b + 1, :, i : i + 1], k, v, scale=scaling))
+            rows.append(_single_query(query[b : b + 1, :, i : i + 1], k, v, groups, scaling))
         out.append(torch.cat(rows, dim=2) if q_len > 1 else rows[0])  # [1, H, q, D]
     result = torch.cat(out) if batch > 1 else out[0]
     return result.transpose(1, 2).contiguous(), None
+
+
+def _single_query(query, key, value, groups: int, scaling):
+    """One position: query [1, H, 1, D] against key/value [1, Hkv, v, D] -> [1, H, 1, D].
+
+    With grouped-query attention the query heads sharing a KV head are scored as that head's
+    ``groups`` query rows, so the keys are never copied per head. Every path (alone, padded
+    batch, packed batch) makes exactly this call for a position, hence identical bits."""
+    if groups == 1:
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scaling)
+    heads, dim = query.shape[1], query.shape[3]
+    grouped = query.reshape(1, heads // groups, groups, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, scale=scaling)
+    return out.reshape(1, heads, 1, dim)
 
 
 def _packed_attention(module, query, key, value, layout, scaling):
@@ -115,13 +126,9 @@ def _packed_attention(module, query, key, value, layout, scaling):
     out = []
     for row, start, count, offset in zip(layout.rows, layout.starts, layout.counts, layout.offsets):
         row_key, row_value = key[row : row + 1, :, : start + count], value[row : row + 1, :, : start + count]
-        if groups > 1:
-            row_key = row_key.repeat_interleave(groups, dim=1)
-            row_value = row_value.repeat_interleave(groups, dim=1)
         for i in range(count):
-            out.append(torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, offset + i : offset + i + 1], row_key[:, :, : start + i + 1], row_value[:, :, : start + i + 1],
-                scale=scaling))
+            out.append(_single_query(query[:, :, offset + i : offset + i + 1], row_key[:, :, : start + i + 1],
+                                     row_value[:, :, : start + i + 1], groups, scaling))
     return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
 
 
