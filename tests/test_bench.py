@@ -111,11 +111,11 @@ def test_suite_errors(tmp_path):
 def test_batch_bench_schema_ratios_and_exactness(ctx, suite):
     from specdecode.bench.batch import batch_markdown, format_batch_table, run_batch_suite
 
-    result = run_batch_suite(ctx, suite, ["ar", "draft", "ngram", "hf"], SamplingParams(max_new_tokens=16), [1, 3])
+    result = run_batch_suite(ctx, suite, ["ar", "draft", "ngram", "hybrid", "hf"], SamplingParams(max_new_tokens=16), [1, 3])
     assert result["batch_sizes"] == [1, 3] and set(result["batch"]) == {"1", "3"}
     assert result["mismatch_reference"] == "ar at batch size 1"
     for size, entry in result["batch"].items():
-        assert set(entry) == {"ar", "draft", "ngram", "hf"}
+        assert set(entry) == {"ar", "draft", "ngram", "hybrid", "hf"}
         assert entry["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
         for name, n in entry.items():
             assert n["new_tokens"] > 0 and n["tokens_per_second"] > 0 and n["mismatches"] == 0, (size, name)

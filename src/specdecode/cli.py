@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated methods (default: ar,draft,draft-hf,ngram,hf,hf-assisted,hf-lookup)")
     bench.add_argument("--batch-size", default=None,
                        help="batch sizes, e.g. 1,4,8: measure aggregate tokens/s of batched decoding instead "
-                            "(methods ar, draft, ngram, hf; default methods ar,draft,hf)")
+                            "(methods ar, draft, ngram, hybrid, hf; default ar,draft,hf)")
     bench.add_argument("--out", default="bench-out/bench.json", help="JSON results; the .md report and PNG plots go beside it")
     bench.add_argument("--no-cost-model", action="store_true", help="skip the k-token cost curve measurement")
 

@@ -3,8 +3,8 @@
 Glossary:
 - *aggregate tokens/s*: every new token of every prompt over the wall time of decoding the
   whole suite at that batch size (prefills included);
-- ``ar``: our batched plain decoding; ``draft`` / ``ngram``: our batched speculative decoding
-  (ragged acceptance, finished rows refilled from the queue);
+- ``ar``: our batched plain decoding; ``draft`` / ``ngram`` / ``hybrid``: our batched speculative
+  decoding (ragged acceptance, finished rows refilled from the queue);
 - ``hf``: transformers' batched ``generate`` on the same modules, the suite cut into batches of
   that size, left-padded (its rows wait for the batch's longest);
 - *mismatch*: under greedy, a prompt whose tokens differ from ``ar`` at batch size 1.
@@ -20,7 +20,7 @@ import torch
 from ..config import SamplingParams
 from .methods import BenchContext, _cut_at_eos
 
-BATCH_METHODS = ("ar", "draft", "ngram", "hf")
+BATCH_METHODS = ("ar", "draft", "ngram", "hybrid", "hf")
 
 
 def _ours(gen, encoded: list[list[int]], params: SamplingParams, batch_size: int, ctx: BenchContext) -> dict:
@@ -84,7 +84,7 @@ def run_batch_suite(
     encoded = [ctx.spec.encode(p.text, chat=p.chat) for p in prompts]
     for ids in encoded:
         ctx.spec.engine.check_fits(len(ids), params.max_new_tokens)
-    pick = {"ar": ctx.plain, "draft": ctx.spec, "ngram": ctx.ngram}
+    pick = {"ar": ctx.plain, "draft": ctx.spec, "ngram": ctx.ngram, "hybrid": ctx.hybrid}
     warm = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                           max_new_tokens=8, seed=params.seed)
 
@@ -134,13 +134,17 @@ def _rate(run: dict) -> float:
     return tokens / run["wall_seconds"] if run["wall_seconds"] > 0 else 0.0
 
 
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
 def format_batch_table(result: dict) -> str:
     lines = ["batch  method   tok/s    vs ar   vs hf   rows/fwd  accept  mismatches"]
     for batch_size, entry in result["batch"].items():
         for name, n in entry.items():
             lines.append(
-                f"{batch_size:>5}  {name:<7} {n['tokens_per_second']:7.2f}  {n.get('speedup_vs_ar', 0):5.2f}x  "
-                f"{n.get('speedup_vs_hf', 0):5.2f}x  {n.get('rows_per_forward', float('nan')):8.2f}  "
+                f"{batch_size:>5}  {name:<7} {n['tokens_per_second']:7.2f}  {_x(n.get('speedup_vs_ar')):>6}  "
+                f"{_x(n.get('speedup_vs_hf')):>6}  {n.get('rows_per_forward', float('nan')):8.2f}  "
                 f"{n.get('acceptance_rate', float('nan')):6.2f}  {n.get('mismatches', '-')}"
             )
     return "\n".join(lines)
@@ -151,7 +155,7 @@ def batch_markdown(result: dict, command: str) -> str:
            "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for batch_size, entry in result["batch"].items():
         for name, n in entry.items():
-            out.append(f"| {batch_size} | {name} | {n['tokens_per_second']:.2f} | {n.get('speedup_vs_ar', 0):.2f}x | "
-                       f"{n.get('speedup_vs_hf', 0):.2f}x | {n.get('rows_per_forward', float('nan')):.2f} | "
+            out.append(f"| {batch_size} | {name} | {n['tokens_per_second']:.2f} | {_x(n.get('speedup_vs_ar'))} | "
+                       f"{_x(n.get('speedup_vs_hf'))} | {n.get('rows_per_forward', float('nan')):.2f} | "
                        f"{n.get('acceptance_rate', float('nan')):.2f} | {n.get('mismatches', '-')} |")
     return "\n".join(out) + "\n"

@@ -79,8 +79,8 @@ def run_batch_command(args, params: SamplingParams, command_line: str, has_draft
     unknown = [m for m in methods if m not in BATCH_METHODS]
     if unknown:
         raise SpecDecodeError(f"with --batch-size, methods are {', '.join(BATCH_METHODS)} (not {', '.join(unknown)})", field="methods")
-    if "draft" in methods and not has_draft:
-        raise SpecDecodeError("method draft needs a --draft model", field="methods")
+    if {"draft", "hybrid"} & set(methods) and not has_draft:
+        raise SpecDecodeError("methods draft and hybrid need a --draft model", field="methods")
     if "ar" not in methods:
         methods.insert(0, "ar")
     prompts = load_suite(args.suite, args.limit, args.offset)
