@@ -117,3 +117,17 @@ def test_llamacpp_runner_contract_on_the_draft_pack():
     assert torch.equal(first, again)
     whole = runner.prefill(ids[:, :36])
     assert torch.equal(whole.argmax(-1), first[:, -1].argmax(-1))
+
+
+@pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed")
+def test_llamacpp_probe_turns_a_crash_into_a_message_and_caches_it(tmp_path, monkeypatch):
+    from specdecode.runners import llamacpp
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x" * 10)
+    monkeypatch.setattr(llamacpp, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    problem = llamacpp.llamacpp_problem(str(gguf), tmp_path / "cache")
+    assert problem is not None and "segmentation fault" in problem
+    monkeypatch.setattr(llamacpp, "_PROBE", "raise SystemExit(0)")
+    assert llamacpp.llamacpp_problem(str(gguf), tmp_path / "cache") == problem  # cached verdict
+    assert llamacpp.llamacpp_problem(str(gguf), tmp_path / "other") is None

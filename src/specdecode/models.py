@@ -119,9 +119,22 @@ def load(reference: str, device: torch.device, dtype: torch.dtype, progress: boo
          runner: str = "hf", role: str = "target") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    runner = choose_runner(runner, device, dtype, reference, role)
+    requested, runner = runner, choose_runner(runner, device, dtype, reference, role)
     if runner == "llamacpp":
-        return _load_llamacpp(reference, progress)
+        loaded = _load_llamacpp(reference, progress)
+        from .runners.llamacpp import llamacpp_problem
+
+        problem = llamacpp_problem(loaded.gguf_path, packs.cache_dir())
+        if problem is None:
+            return loaded
+        hint = ('rebuild it with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" '
+                "pip install --force-reinstall --no-cache-dir llama-cpp-python")
+        if requested != "auto":
+            raise SpecDecodeError(f"{problem}; {hint}", field="draft_runner")
+        import sys
+
+        print(f"specdecode: warning: {problem}; drafting on the int8 path instead ({hint})", file=sys.stderr)
+        runner = "int8" if dtype == torch.float32 else "hf"
     if runner == "int8" and dtype != torch.float32:
         raise SpecDecodeError("the int8 runner quantises from float32; use --dtype float32", field="dtype")
     location, extra = resolve(reference, progress)

@@ -24,6 +24,47 @@ def llamacpp_available() -> bool:
     return True
 
 
+_PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+llm.eval(llm.tokenize(b"def f(x):"))
+"""
+
+
+def llamacpp_problem(gguf_path: str, cache_dir) -> str | None:
+    """None when this llama-cpp-python build decodes the file in a subprocess, else why not.
+
+    A build compiled for CPU features the process may not use (a native build on an AMX CPU
+    here) dies with a segmentation fault inside llama.cpp; probing in a child process turns that
+    into a message. The verdict is cached per build and file."""
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    import llama_cpp
+
+    library = os.path.dirname(llama_cpp.__file__)
+    stamp = [llama_cpp.__version__, gguf_path, os.path.getsize(gguf_path)]
+    for name in sorted(os.listdir(os.path.join(library, "lib"))) if os.path.isdir(os.path.join(library, "lib")) else []:
+        stamp.append([name, os.path.getmtime(os.path.join(library, "lib", name))])
+    key = hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:16]
+    verdict = cache_dir / f"llamacpp-probe-{key}.json"
+    if verdict.is_file():
+        return json.loads(verdict.read_text())["problem"]
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, gguf_path], capture_output=True, timeout=300)
+        problem = None if done.returncode == 0 else (
+            f"llama.cpp crashed decoding a probe (exit {done.returncode}"
+            f"{', a segmentation fault' if done.returncode == -11 else ''})")
+    except subprocess.TimeoutExpired:
+        problem = "llama.cpp did not finish decoding a probe in 300 s"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    verdict.write_text(json.dumps({"problem": problem}))
+    return problem
+
+
 class LlamaCppRunner:
     supports_batches = False  # one row (sequence 0)
 
