@@ -38,7 +38,8 @@ def _ours(gen, encoded: list[list[int]], params: SamplingParams, batch_size: int
         "rows_per_forward": batch.stats.rows_per_forward,
         "acceptance_rate": sum(s.accepted_tokens for s in rows) / drafted if drafted else 0.0,
         "tokens_per_row_step": sum(s.new_tokens for s in rows) / max(1, sum(s.target_forwards for s in rows)),
-        "per_row": [{"new_tokens": s.new_tokens, "acceptance_rate": s.acceptance_rate,
+        "prefill_seconds": sum(s.prefill_seconds for s in rows),
+        "per_row": [{"new_tokens": s.new_tokens, "acceptance_rate": s.acceptance_rate, "prefill_seconds": s.prefill_seconds,
                      "tokens_per_target_forward": s.tokens_per_target_forward, "wall_seconds": s.wall_seconds} for s in rows],
     }
 
