@@ -33,3 +33,16 @@ def test_default_pair_greedy_is_token_identical_to_plain():
         assert out.text == ref.text
         accepted += out.stats.accepted_tokens
     assert accepted > 0
+
+
+def test_default_pair_with_the_llamacpp_draft_is_token_identical_to_plain():
+    from specdecode import SpeculativeGenerator
+    from specdecode.runners.llamacpp import llamacpp_available
+
+    if not llamacpp_available():
+        pytest.skip("llama-cpp-python is not installed")
+    gen = SpeculativeGenerator.from_pretrained(progress=False, gamma=4, draft_runner="llamacpp")
+    assert gen.draft.runner == "llamacpp"
+    plain = gen.variant(None)
+    for prompt in PROMPTS[:2]:
+        assert gen.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids == plain.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids

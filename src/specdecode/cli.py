@@ -30,7 +30,7 @@ def _add_model_args(p: argparse.ArgumentParser, draft_default: str | None = pack
     p.add_argument("--draft-confidence", type=float, default=0.0,
                    help="stop drafting after a token the draft model gave less than this probability (default: %(default)s = off)")
     p.add_argument("--runner", default="auto", help="target runner: auto, hf or int8 (default: %(default)s; auto = int8 on CPU in float32)")
-    p.add_argument("--draft-runner", default="auto", help="draft runner: auto, hf, int8 or llamacpp (default: %(default)s; auto = llamacpp for a GGUF draft when installed, else int8, on CPU)")
+    p.add_argument("--draft-runner", default="auto", help="draft runner: auto, hf, int8 or llamacpp (default: %(default)s; auto = llamacpp for a GGUF draft when installed with AVX-512 kernels, else int8, on CPU)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64 (default: %(default)s)")
 

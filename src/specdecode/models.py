@@ -45,7 +45,8 @@ class LoadedModel:
 
 
 def choose_runner(requested: str, device: torch.device, dtype: torch.dtype, reference: str, role: str) -> str:
-    """auto: on CPU in float32, int8 for a target; llama.cpp for a GGUF draft when installed, else int8."""
+    """auto: on CPU in float32, int8 for a target; for a GGUF draft llama.cpp when installed and
+    built with AVX-512 (or not on x86), else int8 (see runners.llamacpp.llamacpp_fast)."""
     if requested not in RUNNERS:
         raise SpecDecodeError(f"unknown runner '{requested}' (choose from {', '.join(RUNNERS)})", field="runner")
     if requested == "llamacpp" and role == "target":
@@ -58,9 +59,9 @@ def choose_runner(requested: str, device: torch.device, dtype: torch.dtype, refe
     if device.type != "cpu" or dtype != torch.float32:
         return "hf"
     from .runners.int8 import int8_available
-    from .runners.llamacpp import llamacpp_available
+    from .runners.llamacpp import llamacpp_available, llamacpp_fast
 
-    if role == "draft" and llamacpp_available() and gguf_source(reference) is not None:
+    if role == "draft" and llamacpp_available() and gguf_source(reference) is not None and llamacpp_fast():
         return "llamacpp"
     return "int8" if int8_available() else "hf"
 
