@@ -11,7 +11,7 @@ from specdecode.engine import SpecEngine
 from specdecode.errors import SpecDecodeError
 from specdecode.models import choose_runner
 from specdecode.runners.hf import HFRunner
-from specdecode.runners.int8 import PerTokenInt8Linear, prepare_int8
+from specdecode.runners.int8 import FusedInt8Member, PerTokenInt8Linear, prepare_int8
 from specdecode.runners.llamacpp import llamacpp_available
 
 from helpers import TableRunner, perturbed, tiny_model
@@ -76,6 +76,27 @@ def test_per_token_linear_is_close_to_float_and_row_independent():
     assert torch.equal(out[:3], q(x[:3])) and torch.equal(out[4:], q(x[4:]))
     ref = linear(x)
     assert ((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max() < 0.03
+
+
+def test_fused_sibling_linears_are_bit_identical_to_separate_ones():
+    torch.manual_seed(0)
+    model = tiny_model("qwen2", seed=4, dtype=torch.float32)
+    layer = model.model.layers[0]
+    owners = {"q_proj": layer.self_attn, "k_proj": layer.self_attn, "v_proj": layer.self_attn,
+              "gate_proj": layer.mlp, "up_proj": layer.mlp}
+    linears = {name: getattr(owner, name) for name, owner in owners.items()}
+    separate = {name: PerTokenInt8Linear(lin) for name, lin in linears.items()}
+    prepare_int8(model)
+    fused = {name: getattr(owner, name) for name, owner in owners.items()}
+    assert all(isinstance(m, FusedInt8Member) for m in fused.values())
+    x, y = torch.randn(2, 5, linears["q_proj"].in_features), torch.randn(2, 5, linears["q_proj"].in_features)
+    for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):  # the order the model calls them
+        assert torch.equal(fused[name](x), separate[name](x)), name
+    # siblings fed different inputs, or one member called twice, still get their own results
+    assert torch.equal(fused["k_proj"](y), separate["k_proj"](y))
+    assert torch.equal(fused["q_proj"](x), separate["q_proj"](x))
+    assert torch.equal(fused["q_proj"](y), separate["q_proj"](y))
+    assert torch.equal(fused["v_proj"](x), separate["v_proj"](x))
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 6])

@@ -7,8 +7,8 @@ Glossary:
   Linear picks one scale for the whole input (min/max over every token), which makes a
   position's logits depend on its block and breaks exact speculative decoding.
 - *anchor row*: to get per-token scales out of that per-tensor kernel, every token is first
-  scaled to the same absolute maximum ``ANCHOR`` and one extra row holding ``-ANCHOR`` and
-  ``+ANCHOR`` is added; the kernel's min/max (hence its scale and zero point) are then the same
+  divided by its own absolute maximum (so it spans at most -1..+1) and one extra row holding
+  -1 and +1 is added; the kernel's min/max (hence its scale and zero point) are then the same
   for every call, each token's quantisation depends on that token alone, the integer
   accumulation is exact, and the result is scaled back per token. A position's logits are then
   bit-identical whether it is scored alone or inside a block.
@@ -25,44 +25,135 @@ later) and selects the row-wise attention; norms and embeddings stay in fp32.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
 from torch import nn
 
-ANCHOR = 16.0
-
-
 def int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _pack(weight: torch.Tensor):
+    """float32 [out, in] -> fbgemm packed int8 weight with one scale per output row."""
+    scale = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(torch.float64)  # [out]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensor constructors warn about a future deprecation
+        qweight = torch.quantize_per_channel(weight, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+        return torch.ops.quantized.linear_prepack(qweight, None)
+
+
+def _per_token_matmul(packed, rows: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] float32 -> [M, out] through the anchor-row trick (module glossary).
+
+    Each row is divided by its absolute maximum (so its largest entry is exactly +-1) into a
+    scratch block whose row 0 is the anchor; the kernel then always sees min -1 and max +1.
+    Small CPU ops cost a few microseconds each here, so this is written in as few as possible."""
+    amax = torch.linalg.vector_norm(rows, ord=float("inf"), dim=-1, keepdim=True).clamp_(min=1e-30)  # [M, 1]
+    block, body = _scratch(rows.shape[0], rows.shape[1])
+    if rows.requires_grad:  # outside no_grad (out= refuses autograd): a fresh block, same values
+        block = torch.cat([block[:1], rows / amax])
+    else:
+        torch.div(rows, amax, out=body)
+    return torch.ops.quantized.linear_dynamic(block, packed, False)[1:].mul_(amax)
+
+
+def _float_rows(x: torch.Tensor, width: int) -> torch.Tensor:  # [..., width] -> [M, width] float32
+    rows = x.reshape(-1, width)
+    return rows if rows.dtype == torch.float32 else rows.float()
+
+
+def _like_input(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+_scratch_blocks = threading.local()
+SCRATCH_MAX_ROWS = 64
+
+
+def _scratch(m: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [m + 1, width] block whose row 0 holds the anchor (-1, +1, 0, ...), and its rows 1..m.
+    Blocks of decode and verification size are kept per thread and reused; prefill-sized ones
+    are made fresh (kept, every prompt length would hold its own block for good)."""
+    blocks = getattr(_scratch_blocks, "blocks", None)
+    if blocks is None:
+        blocks = _scratch_blocks.blocks = {}
+    found = blocks.get((m, width))
+    if found is None:
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            block = torch.zeros(m + 1, width)
+            block[0, 0], block[0, 1] = -1.0, 1.0
+        found = (block, block[1:])
+        if m <= SCRATCH_MAX_ROWS:
+            blocks[(m, width)] = found
+    return found
 
 
 class PerTokenInt8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        weight = linear.weight.detach().to(torch.float32)
-        scale = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(torch.float64)  # [out]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # quantized tensor constructors warn about a future deprecation
-            qweight = torch.quantize_per_channel(weight, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
-            self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self._packed = _pack(linear.weight.detach().to(torch.float32))
         self.in_features, self.out_features = linear.in_features, linear.out_features
         bias = None if linear.bias is None else linear.bias.detach().to(torch.float32).clone()
         self.register_buffer("bias", bias)
-        anchor = torch.zeros(1, self.in_features)
-        anchor[0, 0], anchor[0, 1] = -ANCHOR, ANCHOR
-        self.register_buffer("_anchor", anchor, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        shape = x.shape
-        rows = x.reshape(-1, self.in_features).to(torch.float32)  # [M, in]
-        amax = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)  # [M, 1]
-        normalised = rows * (ANCHOR / amax)
-        out = torch.ops.quantized.linear_dynamic(torch.cat([self._anchor, normalised]), self._packed, False)[1:]
-        out = out * (amax / ANCHOR)
+        out = _per_token_matmul(self._packed, _float_rows(x, self.in_features))
+        if self.bias is not None:
+            out.add_(self.bias)
+        return _like_input(out.view(*x.shape[:-1], self.out_features), x)
+
+
+class FusedInt8Group:
+    """Sibling linears that read the same input (q/k/v, gate/up) as one int8 matmul.
+
+    Each member is a ``FusedInt8Member`` module; the first member called with an input runs the
+    stacked weight once and keeps the result, and the others called with that same tensor take
+    their slice. Every output column is the same integer dot product and the same per-row
+    rescale as in its own matmul, so the result is bit-identical to unfused per-token linears,
+    with a third of the calls for q/k/v. A member called with a different input (a model that
+    feeds its siblings different tensors) simply recomputes: correct either way."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.packed = _pack(torch.cat([lin.weight.detach().to(torch.float32) for lin in linears]))
+        self.in_features = linears[0].in_features
+        self.bounds, start = [], 0
+        for lin in linears:
+            self.bounds.append((start, start + lin.out_features))
+            start += lin.out_features
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._served: set[int] = set()
+
+    def output(self, x: torch.Tensor, member: int) -> torch.Tensor:  # -> [M, sum out] float32
+        if self._input is not x or member in self._served:
+            self._input, self._output, self._served = x, _per_token_matmul(self.packed, _float_rows(x, self.in_features)), set()
+        self._served.add(member)
+        out = self._output
+        if len(self._served) == len(self.bounds):  # every member has its slice: let go of the tensors
+            self._input = self._output = None
+        return out
+
+
+class FusedInt8Member(nn.Module):
+    def __init__(self, group: FusedInt8Group, member: int, bias: torch.Tensor | None):
+        super().__init__()
+        self._group, self._member = group, member
+        self.in_features = group.in_features
+        start, stop = group.bounds[member]
+        self.out_features = stop - start
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        start, stop = self._group.bounds[self._member]
+        out = self._group.output(x, self._member)[:, start:stop]
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return _like_input(out.reshape(*x.shape[:-1], self.out_features), x)
+
+
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 ROWWISE_ATTENTION = "specdecode_rowwise"
@@ -173,10 +264,18 @@ def prepare_int8(model: nn.Module) -> nn.Module:
 
 
 def quantize_linears(model: nn.Module) -> nn.Module:
-    """Replace every nn.Linear of a float32 CPU model by PerTokenInt8Linear; returns the model."""
+    """Replace every nn.Linear of a float32 CPU model by per-token int8 linears (siblings that
+    read one input fused, see FusedInt8Group); returns the model."""
     if not int8_available():
         raise RuntimeError("this torch build has no fbgemm quantized engine")
     torch.backends.quantized.engine = "fbgemm"
+    for parent in list(model.modules()):
+        for names in FUSED_SIBLINGS:
+            linears = [getattr(parent, name, None) for name in names]
+            if all(isinstance(lin, nn.Linear) for lin in linears) and len({lin.in_features for lin in linears}) == 1:
+                group = FusedInt8Group(linears)
+                for i, (name, lin) in enumerate(zip(names, linears)):
+                    setattr(parent, name, FusedInt8Member(group, i, lin.bias))
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
