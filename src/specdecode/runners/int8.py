@@ -69,13 +69,13 @@ def _like_input(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 _scratch_blocks = threading.local()
-SCRATCH_MAX_ROWS = 64
 
 
 def _scratch(m: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A [m + 1, width] block whose row 0 holds the anchor (-1, +1, 0, ...), and its rows 1..m.
-    Blocks of decode and verification size are kept per thread and reused; prefill-sized ones
-    are made fresh (kept, every prompt length would hold its own block for good)."""
+    Blocks of decode and verification size (up to ROWWISE_MAX_BLOCK rows, the same boundary the
+    attention draws) are kept per thread and reused; prefill-sized ones are made fresh (kept,
+    every prompt length would hold its own block for good)."""
     blocks = getattr(_scratch_blocks, "blocks", None)
     if blocks is None:
         blocks = _scratch_blocks.blocks = {}
@@ -85,7 +85,7 @@ def _scratch(m: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
             block = torch.zeros(m + 1, width)
             block[0, 0], block[0, 1] = -1.0, 1.0
         found = (block, block[1:])
-        if m <= SCRATCH_MAX_ROWS:
+        if m <= ROWWISE_MAX_BLOCK:
             blocks[(m, width)] = found
     return found
 
@@ -122,13 +122,18 @@ class FusedInt8Group:
         for lin in linears:
             self.bounds.append((start, start + lin.out_features))
             start += lin.out_features
+        # one add for the whole group; a member without a bias gets zeros there
+        biases = [lin.bias if lin.bias is not None else torch.zeros(lin.out_features) for lin in linears]
+        has_bias = any(lin.bias is not None for lin in linears)
+        self.bias = torch.cat([b.detach().to(torch.float32) for b in biases]) if has_bias else None
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
         self._served: set[int] = set()
 
     def output(self, x: torch.Tensor, member: int) -> torch.Tensor:  # -> [M, sum out] float32
         if self._input is not x or member in self._served:
-            self._input, self._output, self._served = x, _per_token_matmul(self.packed, _float_rows(x, self.in_features)), set()
+            out = _per_token_matmul(self.packed, _float_rows(x, self.in_features))
+            self._input, self._output, self._served = x, out if self.bias is None else out.add_(self.bias), set()
         self._served.add(member)
         out = self._output
         if len(self._served) == len(self.bounds):  # every member has its slice: let go of the tensors
@@ -137,19 +142,15 @@ class FusedInt8Group:
 
 
 class FusedInt8Member(nn.Module):
-    def __init__(self, group: FusedInt8Group, member: int, bias: torch.Tensor | None):
+    def __init__(self, group: FusedInt8Group, member: int):
         super().__init__()
         self._group, self._member = group, member
         self.in_features = group.in_features
         start, stop = group.bounds[member]
-        self.out_features = stop - start
-        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
+        self._columns, self.out_features = slice(start, stop), stop - start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        start, stop = self._group.bounds[self._member]
-        out = self._group.output(x, self._member)[:, start:stop]
-        if self.bias is not None:
-            out = out + self.bias
+        out = self._group.output(x, self._member)[:, self._columns]
         return _like_input(out.reshape(*x.shape[:-1], self.out_features), x)
 
 
@@ -274,8 +275,8 @@ def quantize_linears(model: nn.Module) -> nn.Module:
             linears = [getattr(parent, name, None) for name in names]
             if all(isinstance(lin, nn.Linear) for lin in linears) and len({lin.in_features for lin in linears}) == 1:
                 group = FusedInt8Group(linears)
-                for i, (name, lin) in enumerate(zip(names, linears)):
-                    setattr(parent, name, FusedInt8Member(group, i, lin.bias))
+                for i, name in enumerate(names):
+                    setattr(parent, name, FusedInt8Member(group, i))
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
