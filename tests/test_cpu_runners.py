@@ -12,6 +12,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models import choose_runner
 from specdecode.runners.hf import HFRunner
 from specdecode.runners.int8 import FusedInt8Member, PerTokenInt8Linear, prepare_int8
+from specdecode.runners.lean import LeanForward
 from specdecode.runners.llamacpp import llamacpp_available
 
 from helpers import TableRunner, perturbed, tiny_model
@@ -76,6 +77,54 @@ def test_per_token_linear_is_close_to_float_and_row_independent():
     assert torch.equal(out[:3], q(x[:3])) and torch.equal(out[4:], q(x[4:]))
     ref = linear(x)
     assert ((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max() < 0.03
+
+
+def biased_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(6)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256, attention_bias=True, mlp_bias=True)
+    return LlamaForCausalLM(config).float().eval()
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_model("qwen2", seed=5, dtype=torch.float32),
+                                  lambda: tiny_model("llama", seed=5, dtype=torch.float32), biased_llama],
+                         ids=["qwen2", "llama", "llama-biases"])
+def test_lean_decode_loop_is_bit_identical_to_the_module_path(make):
+    model = prepare_int8(make())
+    assert LeanForward.supports(model)
+    lean, modules = HFRunner(model), HFRunner(model)
+    modules._lean_checked = True  # this one never takes the lean loop
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 96, (3, 30), generator=g)
+    steps = [(1, 1), (0, 4), (2, 1), (1, 6), (1, 1)]  # (row, block length)
+    results = []
+    for runner in (lean, modules):
+        runner.reset(3)
+        out = [runner.prefill(prompts[r : r + 1, : 10 + 5 * r], rows=[r]) for r in range(3)]
+        out.append(runner.prefill(prompts[:1, :7], rows=[0]))  # a short prompt: lean with the head on its last token only
+        for step, (row, width) in enumerate(steps):
+            out.append(runner.forward(torch.randint(0, 96, (1, width), generator=torch.Generator().manual_seed(step)), rows=[row]))
+            if step == 3:
+                runner.truncate(runner.lengths - torch.tensor([0, 4, 0]))
+        out.append(runner.forward(prompts[:, 20:23]))  # several rows, full blocks
+        out.append(runner.forward(prompts[:2, 23:27], rows=[2, 0], counts=[2, 4]))  # ragged rows, packed
+        out.append(runner.prefill(prompts[:, :9]))  # a new batch of short prompts, last logits per row
+        out.append(runner.forward(prompts[:, 9:10]))
+        results.append(out)
+    assert lean._lean is not None and modules._lean is None
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_lean_loop_only_takes_models_it_mirrors():
+    assert not LeanForward.supports(tiny_model("qwen2", seed=5, dtype=torch.float32))  # not on the int8 path
+    assert not LeanForward.supports(prepare_int8(tiny_model("gpt2", seed=5, dtype=torch.float32)))
+    model = prepare_int8(tiny_model("llama", seed=5, dtype=torch.float32))
+    layer = model.model.layers[0]
+    layer.__class__ = type("PatchedLlamaDecoderLayer", (type(layer),), {})  # a subclass may change the block
+    assert not LeanForward.supports(model)
 
 
 def test_fused_sibling_linears_are_bit_identical_to_separate_ones():

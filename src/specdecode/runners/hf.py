@@ -136,6 +136,8 @@ class HFRunner:
         self.vocab_size = int(model.get_output_embeddings().out_features)
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self.cache: RaggedCache | None = None  # made by reset, or by the first forward
+        self._lean = None  # runners.lean.LeanForward once the model turns out to support it
+        self._lean_checked = False
 
     @property
     def lengths(self) -> torch.Tensor:  # [B]
@@ -190,6 +192,9 @@ class HFRunner:
         longest = max(s + c for s, c in zip(starts, counts))
         if longest > self.max_context:
             raise SpecDecodeError(f"context of {longest} tokens exceeds the model's {self.max_context}")
+        lean = self._lean_forward()
+        if lean is not None and max(counts) <= lean.max_block:
+            return self._run_lean(lean, ids, rows, starts, counts, last_only)
         if not last_only and n > 1 and sum(counts) < n * width and self._packs():
             return self._run_packed(ids, rows, starts, counts)
         positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)
@@ -208,6 +213,35 @@ class HFRunner:
         for r, s, c in zip(rows, starts, counts):
             cache.row_lengths[r] = s + c
         return out.logits
+
+    def _lean_forward(self):
+        """The direct decode loop of runners.lean when this model is one it mirrors, else None.
+        Checked on first use: the int8 transform may be applied after the runner is made."""
+        if not self._lean_checked:
+            from .lean import LeanForward
+
+            self._lean = LeanForward(self.model) if LeanForward.supports(self.model) else None
+            self._lean_checked = True
+        return self._lean
+
+    def _run_lean(self, lean, ids, rows, starts, counts, last_only: bool) -> torch.Tensor:
+        """Each row's real tokens back to back through runners.lean; logits [n, S, V] (zeros in
+        padding), or [n, 1, V] after each row's last token with last_only."""
+        n, width = ids.shape
+        flat = ids[0] if n == 1 and counts[0] == width else torch.cat([ids[j, :c] for j, c in enumerate(counts)])
+        logits = lean(flat.to(self.device), self.cache, list(zip(rows, starts, counts)), keep_last=last_only)
+        for r, s, c in zip(rows, starts, counts):
+            self.cache.row_lengths[r] = s + c
+        if last_only:
+            return logits[:, None]
+        if n == 1 and counts[0] == width:
+            return logits[None]
+        padded = logits.new_zeros((n, width, logits.shape[-1]))
+        offset = 0
+        for j, c in enumerate(counts):
+            padded[j, :c] = logits[offset : offset + c]
+            offset += c
+        return padded
 
     def _packs(self) -> bool:
         """Ragged blocks run packed (no padding computed) when the model uses the row-wise attention."""

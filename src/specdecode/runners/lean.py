@@ -1,0 +1,175 @@
+"""A direct decode forward for Llama-family models on the int8 path (Qwen2, Llama).
+
+Glossary:
+- *lean forward*: the same tensor ops, in the same order and on the same dtypes, as
+  transformers' module tree over ``runners.int8`` (embedding, rotary tables, per layer: norm,
+  fused q/k/v, rotary, cache write, row-wise attention, o_proj, residual, norm, fused gate/up,
+  activation, down_proj, residual; final norm, head), called straight from one loop. What it
+  drops is the per-module Python around them (decorators, keyword plumbing, mask building,
+  output records): on two CPU cores a 0.5B draft token spends several milliseconds there.
+  Its logits are bit-identical to the module path (tested), so the two mix freely over one
+  cache.
+- *eligible pass*: every row's block at most ``ROWWISE_MAX_BLOCK`` tokens (decode and
+  verification, one row or several packed back to back without padding; a prompt prefill
+  keeps the module path and its batched attention).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .int8 import ROWWISE_MAX_BLOCK, FusedInt8Member, PerTokenInt8Linear, _per_token_matmul, _single_query
+
+LEAN_MODEL_TYPES = ("qwen2", "llama")
+LEAN_LAYER_CLASSES = ("Qwen2DecoderLayer", "LlamaDecoderLayer")
+
+
+class LeanLayer:
+    def __init__(self, layer: nn.Module, config):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = attn.q_proj._group
+        self.gate_up = mlp.gate_proj._group
+        self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.act = mlp.act_fn
+        self.scaling = attn.scaling
+        self.groups = attn.num_key_value_groups
+        self.head_dim = attn.head_dim
+        self.q_columns, self.k_columns, self.v_columns = (attn.q_proj._columns, attn.k_proj._columns, attn.v_proj._columns)
+        self.intermediate = mlp.gate_proj.out_features
+        self.query_heads = attn.q_proj.out_features // attn.head_dim
+
+
+class LeanForward:
+    """Decode and verification passes straight through the layers (module glossary)."""
+
+    max_block = ROWWISE_MAX_BLOCK  # longer blocks (a prompt prefill) keep the module path
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        base = model.model
+        self.embed, self.norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
+        self.head = model.lm_head
+        config = model.config
+        self.layers = [LeanLayer(layer, config) for layer in base.layers[: config.num_hidden_layers]]
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """Only the shapes this loop mirrors op for op: a Llama-family model prepared by
+        ``runners.int8.prepare_int8`` with full attention in every layer."""
+        config = getattr(model, "config", None)
+        if getattr(config, "model_type", None) not in LEAN_MODEL_TYPES:
+            return False
+        if getattr(config, "_attn_implementation", None) != "specdecode_rowwise":
+            return False
+        if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+            return False
+        base = getattr(model, "model", None)
+        layers = getattr(base, "layers", None)
+        if layers is None or not isinstance(getattr(model, "lm_head", None), PerTokenInt8Linear):
+            return False
+        for layer in layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            members = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")] + [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
+            if not all(isinstance(m, FusedInt8Member) for m in members):
+                return False
+            if not (isinstance(attn.o_proj, PerTokenInt8Linear) and isinstance(mlp.down_proj, PerTokenInt8Linear)):
+                return False
+            if type(layer).__name__ not in LEAN_LAYER_CLASSES:  # a subclass may change the block
+                return False
+        return True
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, cache, segments: list[tuple[int, int, int]], keep_last: bool = False) -> torch.Tensor:
+        """ids [T] holding the tokens of several rows back to back; segments [(row, start, count)]
+        in that order (count tokens for cache row ``row`` from slot ``start``) -> logits [T, V],
+        or [len(segments), V] after each segment's last token with keep_last."""
+        total = ids.shape[0]
+        x = self.embed(ids[None])  # [1, T, H]
+        if len(segments) == 1:
+            row, start, _ = segments[0]
+            positions = torch.arange(start, start + total)
+        else:
+            positions = torch.cat([torch.arange(s, s + c) for _, s, c in segments])
+        cos, sin = self.rotary(x, positions[None])  # [1, T, D]
+        cos, signed_sin = cos.unsqueeze(1), _signed_sin(sin).unsqueeze(1)  # [1, 1, T, D]
+        layers = cache.layers
+        while len(layers) < len(self.layers):
+            from .hf import _RaggedLayer
+
+            layers.append(_RaggedLayer())
+        packed = None if len(segments) == 1 else _Packed(segments, x.device)
+        for index, layer in enumerate(self.layers):
+            h = layer.input_norm(x).view(total, -1)
+            qkv = _per_token_matmul(layer.qkv.packed, h)  # [T, q + k + v]
+            if layer.qkv.bias is not None:
+                qkv.add_(layer.qkv.bias)
+            # rotary on the query and key heads at once: x * cos + rotate_half(x) * sin, where
+            # rotate_half(x) * sin == roll(x, half) * signed_sin bit for bit (a negation is exact)
+            qk = qkv[:, : layer.k_columns.stop].reshape(1, total, -1, layer.head_dim).transpose(1, 2)
+            qk = (qk * cos) + (qk.roll(layer.head_dim // 2, -1) * signed_sin)  # [1, q + k heads, T, D]
+            q, k = qk[:, : layer.query_heads], qk[:, layer.query_heads :]
+            v = qkv[:, layer.v_columns].reshape(1, total, -1, layer.head_dim).transpose(1, 2)
+            if packed is None:
+                keys, values = layers[index].write(k, v, [row], [start], cache.rows_total)
+                row_keys = [(0, start, total, 0)]
+            else:
+                keys, values = layers[index].write_packed(k, v, packed.token_rows, packed.token_slots, packed.need, cache.rows_total)
+                row_keys = packed.segments
+            attn = _attention(q, keys, values, row_keys, layer.groups, layer.scaling)  # [T, H * D]
+            x = _linear(layer.o_proj, attn).add_(x.view(total, -1))  # residual + attention (addition commutes)
+            h = layer.post_norm(x)
+            gate_up = _per_token_matmul(layer.gate_up.packed, h)
+            if layer.gate_up.bias is not None:
+                gate_up.add_(layer.gate_up.bias)
+            hidden = layer.act(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate :]
+            x = _linear(layer.down_proj, hidden).add_(x).view(1, total, -1)
+        x = self.norm(x)
+        if keep_last:
+            ends = [0] * len(segments)
+            for j, (_, _, count) in enumerate(segments):
+                ends[j] = (ends[j - 1] if j else -1) + count
+            x = x[:, ends]
+        return self.head(x)[0]
+
+
+class _Packed:
+    """Where each token of a multi-row pass goes: cache row and slot per token, and per segment
+    (cache row, first slot, count, offset in the pass)."""
+
+    def __init__(self, segments, device):
+        self.token_rows = torch.tensor([r for r, _, c in segments for _ in range(c)], device=device)
+        self.token_slots = torch.tensor([s + i for _, s, c in segments for i in range(c)], device=device)
+        self.need = max(s + c for _, s, c in segments)
+        offsets = [0]
+        for _, _, c in segments[:-1]:
+            offsets.append(offsets[-1] + c)
+        self.segments = [(r, s, c, o) for (r, s, c), o in zip(segments, offsets)]
+
+
+def _attention(q, keys, values, segments, groups: int, scaling) -> torch.Tensor:
+    """q [1, H, T, D]; keys/values [rows, Hkv, slots, D]; segments [(row index into keys, first
+    slot, count, offset in q)] -> [T, H * D]. Query i of a segment sees its row's slots up to
+    first + i: the same single-query call as the module path's row-wise attention."""
+    if q.shape[2] == 1:
+        row, start, _, _ = segments[0]
+        out = _single_query(q, keys[row : row + 1, :, : start + 1], values[row : row + 1, :, : start + 1], groups, scaling)
+        return out.reshape(1, -1)  # [1, H, 1, D] has the layout of [1, 1, H, D]
+    rows = []
+    for row, start, count, offset in segments:
+        row_keys, row_values = keys[row : row + 1], values[row : row + 1]
+        for i in range(count):
+            n = start + i + 1
+            rows.append(_single_query(q[:, :, offset + i : offset + i + 1], row_keys[:, :, :n], row_values[:, :, :n], groups, scaling))
+    return torch.cat(rows, dim=2).transpose(1, 2).reshape(q.shape[2], -1)
+
+
+def _linear(module: PerTokenInt8Linear, rows: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+    out = _per_token_matmul(module._packed, rows)
+    return out if module.bias is None else out.add_(module.bias)
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:  # [..., D] -> sin with its first half negated
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
