@@ -50,7 +50,9 @@ def _per_token_matmul(packed, rows: torch.Tensor) -> torch.Tensor:
     Each row is divided by its absolute maximum (so its largest entry is exactly +-1) into a
     scratch block whose row 0 is the anchor; the kernel then always sees min -1 and max +1.
     Small CPU ops cost a few microseconds each here, so this is written in as few as possible."""
-    amax = torch.linalg.vector_norm(rows, ord=float("inf"), dim=-1, keepdim=True).clamp_(min=1e-30)  # [M, 1]
+    # abs().amax: the same value as the infinity norm (a maximum is exact), at a fraction of
+    # linalg.vector_norm's time on CPU (7 against 30 us for 6 x 1536, 121 against 1979 us for 150 x 8960)
+    amax = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)  # [M, 1]
     block, body = _scratch(rows.shape[0], rows.shape[1])
     if rows.requires_grad:  # outside no_grad (out= refuses autograd): a fresh block, same values
         block = torch.cat([block[:1], rows / amax])
@@ -82,7 +84,8 @@ def _scratch(m: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     found = blocks.get((m, width))
     if found is None:
         with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-            block = torch.zeros(m + 1, width)
+            block = torch.empty(m + 1, width)  # rows 1..m are written by every call
+            block[0].zero_()
             block[0, 0], block[0, 1] = -1.0, 1.0
         found = (block, block[1:])
         if m <= ROWWISE_MAX_BLOCK:
