@@ -201,3 +201,30 @@ def test_llamacpp_probe_turns_a_crash_into_a_message_and_caches_it(tmp_path, mon
     monkeypatch.setattr(llamacpp, "_PROBE", "raise SystemExit(0)")
     assert llamacpp.llamacpp_problem(str(gguf), tmp_path / "cache") == problem  # cached verdict
     assert llamacpp.llamacpp_problem(str(gguf), tmp_path / "other") is None
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_forward_last_equals_the_last_real_position_of_forward(lean):
+    model = prepare_int8(tiny_model("qwen2", seed=5, dtype=torch.float32))
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, 96, (2, 100), generator=g)
+    results = []
+    for use_last in (True, False):
+        runner = HFRunner(model)
+        if not lean:
+            runner._lean_checked = True
+        runner.reset(2)
+        out = []
+        for ids, rows, counts in ((prompts[:1, :80], [0], None),  # longer than a decode block
+                                  (prompts[1:, :3], [1], None),
+                                  (prompts[:, 80:86], None, [6, 2]),  # ragged rows
+                                  (prompts[:, 86:90], None, None)):
+            if use_last:
+                out.append(runner.forward_last(ids, rows=rows, counts=counts))
+            else:
+                logits = runner.forward(ids, rows=rows, counts=counts)
+                ends = torch.tensor(counts or [ids.shape[1]] * ids.shape[0]) - 1
+                out.append(logits[torch.arange(ids.shape[0]), ends])
+        results.append(out + [runner.lengths])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

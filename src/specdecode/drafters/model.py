@@ -75,13 +75,17 @@ class ModelDrafter:
 
     def _feed(self, feeds: list[list[int]], slots: list[int], batched: bool) -> torch.Tensor:
         """Append each row's unseen tokens; logits after each row's last one [n, V]."""
+        last = getattr(self.runner, "forward_last", None)  # runners that can skip the other positions' head
         if not batched and len(feeds) == 1:
-            return self.runner.forward(torch.tensor(feeds))[:, -1]
+            ids = torch.tensor(feeds)
+            return last(ids) if last is not None else self.runner.forward(ids)[:, -1]
         width = max(len(f) for f in feeds)
         ids = torch.zeros((len(feeds), width), dtype=torch.long)
         for j, f in enumerate(feeds):
             ids[j, : len(f)] = torch.tensor(f, dtype=torch.long)
         counts = [len(f) for f in feeds]
+        if last is not None:
+            return last(ids, rows=slots, counts=counts)
         out = self.runner.forward(ids, rows=slots, counts=counts)  # [n, width, V]
         return out[torch.arange(len(feeds)), torch.tensor(counts) - 1]
 

@@ -167,6 +167,20 @@ class HFRunner:
         only its first counts[j] tokens (default: all S)."""
         return self._run(ids, rows, counts, last_only=False)
 
+    @torch.inference_mode()
+    def forward_last(
+        self, ids: torch.Tensor, rows: Sequence[int] | None = None, counts: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Like ``forward``, but only the logits after each row's last real token: [n, V]. A
+        drafter catching up on many committed tokens then pays the output head once per row."""
+        n, width = ids.shape
+        full = counts is None or all(int(c) == width for c in counts)
+        lean = self._lean_forward()
+        if full or (lean is not None and max(int(c) for c in counts) <= lean.max_block):
+            return self._run(ids, rows, counts, last_only=True)[:, -1]
+        logits = self._run(ids, rows, counts, last_only=False)  # [n, S, V]
+        return logits[torch.arange(n), torch.tensor([int(c) for c in counts]) - 1]
+
     def truncate(self, lengths: torch.Tensor) -> None:
         """lengths [B]: keep exactly that many cached tokens per row."""
         if self.cache is None:
