@@ -106,3 +106,62 @@ def test_gamma_values_are_validated():
     with pytest.raises(SpecDecodeError):
         SpecConfig(draft_confidence=1.5)
     assert SpecConfig(gamma="auto").adaptive and SpecConfig(gamma="4").gamma == 4
+
+
+def test_deferred_start_waits_until_the_saving_covers_the_start_cost():
+    policy = AdaptiveGamma(max_gamma=8)
+    assert policy.start_after(100) == policy.first_start_after  # nothing measured yet
+    feed(policy, 40, lambda k: k, draft_cost=0.01, pass_cost=lambda m: 0.1 + 0.002 * m)  # drafting pays
+    policy.started(100, 0.2)  # a draft prefill of 2 ms a context token
+    soon, later = policy.start_after(50), policy.start_after(100)
+    assert 1 <= soon < later < policy.latest_start  # the start cost grows with the prompt
+    policy.started(100, 200.0)
+    assert policy.start_after(100) == policy.latest_start  # a start that costs too much waits longest
+    losing = AdaptiveGamma(max_gamma=8)
+    feed(losing, 40, lambda k: 0, draft_cost=0.03, pass_cost=lambda m: 0.1 + 0.005 * m)
+    losing.started(100, 0.01)
+    assert losing.start_after(100) == losing.latest_start  # drafting does not pay: start late, re-test
+
+
+def test_probe_gap_doubles_while_drafting_does_not_pay():
+    policy = AdaptiveGamma(max_gamma=8)
+    chosen = feed(policy, 300, lambda k: 0, draft_cost=0.03, pass_cost=lambda m: 0.1 + 0.005 * m)
+    probes = [i for i, k in enumerate(chosen) if k > 0][1:]  # after the opening short draft
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[0] <= 2 * policy.probe_every + 1 and gaps[-1] > 4 * policy.probe_every, gaps
+    policy.update(1, 1, 0.001, 0.1)  # drafts start paying again: the gap resets
+    for _ in range(20):
+        policy.update(2, 2, 0.002, 0.1)
+    assert policy.choose(remaining=1000) > 0 and policy.probe_gap == 0
+
+
+class CountingRunner(HFRunner):
+    prefills = 0
+
+    def prefill(self, ids, rows=None):
+        CountingRunner.prefills += 1
+        return super().prefill(ids, rows)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_adaptive_defers_the_draft_prefill_and_stays_exact(pair, batch_size):
+    from specdecode.engine import BatchRequest
+
+    target, draft = pair
+    plain = SpecEngine(HFRunner(target), None, SpecConfig())
+    spec = SpecEngine(HFRunner(target), ModelDrafter(CountingRunner(draft)), SpecConfig(gamma="auto"))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (1, n), generator=g) for n in (9, 5, 12, 7)]
+    short = SamplingParams(max_new_tokens=spec.policy.first_start_after)
+    CountingRunner.prefills = 0
+    for prompt in prompts:  # answers no longer than the deferral: the draft model never runs
+        assert [t for s in spec.generate(prompt, short) for t in s.tokens] == [t for s in plain.generate(prompt, short) for t in s.tokens]
+    assert CountingRunner.prefills == 0
+    params = SamplingParams(max_new_tokens=60)
+    alone = [[t for s in plain.generate(p, params) for t in s.tokens] for p in prompts]
+    requests = [BatchRequest(p[0].tolist(), 60, torch.Generator().manual_seed(0)) for p in prompts]
+    got = {i: [] for i in range(len(prompts))}
+    for step in spec.generate_batch(requests, params, batch_size=batch_size):
+        got[step.index].extend(step.tokens)
+    assert [got[i] for i in range(len(prompts))] == alone
+    assert CountingRunner.prefills > 0 and sum(r.stats.drafted_tokens for r in requests) > 0

@@ -19,6 +19,7 @@ from scipy import stats as scipy_stats
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters import ModelDrafter
 from specdecode.engine import SpecEngine
+from specdecode.policy import FixedGamma
 from specdecode.sampling import processed_probs, sample
 from specdecode.verify import VerifyResult, verify
 
@@ -159,7 +160,12 @@ def test_ngram_drafter_sampling_matches_target_joint():
     assert outside == 0 and tv < threshold and p_value > P_VALUE_FLOOR, (tv, threshold, p_value)
 
 
-@pytest.mark.parametrize("variant", ["hybrid", "adaptive", "confidence"])
+class DeferredStart(FixedGamma):
+    def start_after(self, context_tokens: int) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("variant", ["hybrid", "adaptive", "deferred-start", "confidence"])
 def test_other_drafting_modes_sample_the_target_joint(variant):
     from specdecode.drafters.hybrid import HybridDrafter
     from specdecode.drafters.ngram import NgramDrafter
@@ -170,8 +176,14 @@ def test_other_drafting_modes_sample_the_target_joint(variant):
         drafter, config = HybridDrafter(ModelDrafter(draft), NgramDrafter(VOCAB, max_n=2), min_lookup=2), SpecConfig(gamma=GAMMA)
     elif variant == "adaptive":
         drafter, config = ModelDrafter(draft), SpecConfig(gamma="auto", max_gamma=GAMMA)
+    elif variant == "deferred-start":
+        drafter, config = ModelDrafter(draft), SpecConfig(gamma=GAMMA)
     else:
         drafter, config = ModelDrafter(draft, min_confidence=0.4), SpecConfig(gamma=GAMMA)
     engine = SpecEngine(target, drafter, config)
+    if variant == "adaptive":  # the drafter starts with the request (tiny models: no deferral to measure)
+        engine.policy.first_start_after = engine.policy.latest_start = 0
+    elif variant == "deferred-start":  # the drafter starts after the first plain token, then drafts every step
+        engine.policy = DeferredStart(GAMMA)
     tv, threshold, p_value, outside = compare(exact_joint(target, params), sample_engine(engine, params, SAMPLES), SAMPLES)
     assert outside == 0 and tv < threshold and p_value > P_VALUE_FLOOR, (variant, tv, threshold, p_value)

@@ -140,6 +140,8 @@ class _Slot:
     request: BatchRequest
     context: list[int]  # committed tokens, the pending one last
     started: float
+    drafting: bool = True  # the drafter holds this request (false until a deferred start)
+    start_after: int = 0  # plain tokens before the drafter starts (policy.start_after)
 
     @property
     def remaining(self) -> int:
@@ -230,11 +232,24 @@ class SpecEngine:
                 cache_all_but_last(self.target, [ids], rows=[slot])
             else:
                 cache_all_but_last(self.target, torch.tensor([ids]))
+            slots[slot] = row = _Slot(index, request, ids, t0, drafting=False)
             if self.drafter is not None:
-                self.drafter.reset([ids], rows=[slot]) if batched else self.drafter.reset(torch.tensor([ids]))
+                row.start_after = self.policy.start_after(len(ids))
+                if row.start_after == 0:
+                    start_drafter(slot, row)
             self._sync()
             request.stats.prefill_seconds += time.perf_counter() - t0
-            slots[slot] = _Slot(index, request, ids, t0)
+
+        def start_drafter(slot: int, row: _Slot) -> None:
+            """The drafter takes the request's committed context (all but the pending token cached)."""
+            t0 = time.perf_counter()
+            self.drafter.reset([row.context], rows=[slot]) if batched else self.drafter.reset(torch.tensor([row.context]))
+            self._sync()
+            row.drafting = True
+            seconds = time.perf_counter() - t0
+            self.policy.started(len(row.context), seconds)
+            if row.request.stats.new_tokens:  # a deferred start: the request's prefill is already counted
+                row.request.stats.prefill_seconds += seconds
 
         try:
             for slot in range(slots_total):
@@ -243,7 +258,10 @@ class SpecEngine:
             while any(s is not None for s in slots):
                 active = [i for i, s in enumerate(slots) if s is not None]
                 rows = [slots[i] for i in active]
-                limits = [self.policy.choose(r.remaining) if gamma else 0 for r in rows]
+                for slot, row in zip(active, rows):
+                    if gamma and not row.drafting and row.request.stats.new_tokens >= row.start_after:
+                        start_drafter(slot, row)
+                limits = [self.policy.choose(r.remaining) if gamma and r.drafting else 0 for r in rows]
                 spent = time.perf_counter()
                 draft = self._propose(rows, active if batched else None, limits, params)
                 drafted_at = time.perf_counter()
@@ -295,11 +313,13 @@ class SpecEngine:
         """1. The drafter proposes up to limits[j] tokens for row j."""
         if self.drafter is None or max(limits) <= 0:
             return Draft(torch.empty((len(rows), 0), dtype=torch.long), None)
-        contexts = [r.context for r in rows]
-        draft = self.drafter.propose(contexts if slots is not None else torch.tensor(contexts), limits, params,
-                                     [r.request.generator for r in rows], rows=slots)
+        held = [j for j, r in enumerate(rows) if r.drafting]  # rows whose drafter has started
+        contexts = [rows[j].context for j in held]
+        draft = self.drafter.propose(contexts if slots is not None else torch.tensor(contexts), [limits[j] for j in held],
+                                     params, [rows[j].request.generator for j in held],
+                                     rows=None if slots is None else [slots[j] for j in held])
         self._sync()
-        return draft
+        return draft if len(held) == len(rows) else _spread(draft, held, len(rows))
 
     def _verify(self, rows: list[_Slot], slots: list[int] | None, draft: Draft, params) -> VerifyResult:
         """2. One target pass over each row's [pending, drafts...] scores every draft and the bonus."""
@@ -325,7 +345,23 @@ class SpecEngine:
             lengths[slot] = len(row.context) + n
         self.target.truncate(lengths)
         if self.drafter is not None and draft.tokens.shape[1] > 0:
-            self.drafter.commit(result.num_accepted, rows=slots if batched else None)
+            held = [j for j, r in enumerate(rows) if r.drafting]
+            self.drafter.commit(result.num_accepted[held], rows=[slots[j] for j in held] if batched else None)
+
+
+def _spread(draft: Draft, held: list[int], n: int) -> Draft:
+    """A draft over rows ``held`` of n -> a draft over all n; the other rows propose nothing."""
+    width = draft.tokens.shape[1]
+    tokens = torch.zeros((n, width), dtype=torch.long)
+    tokens[held] = draft.tokens
+    probs = None
+    if draft.probs is not None:
+        probs = draft.probs.new_zeros((n,) + tuple(draft.probs.shape[1:]))
+        probs[held] = draft.probs
+    lengths = [0] * n
+    for j, length in zip(held, draft.row_lengths()):
+        lengths[j] = length
+    return Draft(tokens, probs, lengths)
 
 
 def _stop_check(tokens: list[int], eos: set[int], remaining: int) -> tuple[list[int], str | None]:

@@ -8,6 +8,13 @@ Glossary:
   measured cost of a target pass over m tokens. k = 0 is a plain decoding step; while it wins the
   policy stays plain and probes with a short draft every ``probe_every`` steps, so a request where
   drafting does not pay runs at about plain speed.
+- *deferred start* (adaptive only): a request decodes plainly until the time drafting would have
+  saved so far covers the drafter's one-off start (a draft model's prompt prefill): the
+  ski-rental rule. Start after n plain tokens, where n = start cost / saving per token, both
+  measured on earlier requests (``first_start_after`` before anything is measured, at most
+  ``latest_start``; a short answer then never pays for a draft prefill it cannot earn back).
+- *probe back-off*: each probe after which plain decoding still wins doubles the gap to the
+  next one (up to ``LONGEST_PROBE_GAP`` plain steps); a step that drafts resets it.
 The estimates carry over from one request to the next on the same engine (a pair's costs and
 typical acceptance are properties of the models and the machine). The choice depends only on past steps, never on the current step's random draws, so the output
 distribution stays exactly the target's.
@@ -15,10 +22,12 @@ distribution stays exactly the target's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
 PRIOR_WEIGHT = 0.2  # the prior counts as a fraction of one observation
+LONGEST_PROBE_GAP = 64
 
 
 class FixedGamma:
@@ -32,12 +41,20 @@ class FixedGamma:
     def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         pass
 
+    def start_after(self, context_tokens: int) -> int:
+        return 0  # a fixed draft length starts drafting at once
+
+    def started(self, context_tokens: int, seconds: float) -> None:
+        pass
+
 
 @dataclass
 class AdaptiveGamma:
     max_gamma: int = 8
     probe_every: int = 8
     decay: float = 0.9  # weight of the past in the running estimates
+    first_start_after: int = 16  # plain tokens before a drafter start while no cost is measured
+    latest_start: int = 64  # the longest deferral, also while drafting does not pay (so it is re-tested)
     prior_acceptance: float = 0.6
     # running state
     accept_weight: list[float] = field(default_factory=list)  # [max_gamma]
@@ -46,6 +63,8 @@ class AdaptiveGamma:
     draft_fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed sums: n, k, k^2, y, k*y
     pass_cost: dict[int, float] = field(default_factory=dict)  # tokens scored -> seconds
     plain_steps: int = 0
+    probe_gap: int = 0  # plain steps between probes now (0: probe_every)
+    start_cost: float | None = None  # seconds per context token of a drafter start (mean)
 
     observed: list[bool] = field(default_factory=list)  # [max_gamma]: has this position been tested
 
@@ -102,17 +121,42 @@ class AdaptiveGamma:
             return 0  # measure a plain step first
         if self.draft_cost is None:
             return min(cap, 2)  # then a short draft
-        best_k, best_rate = 0, self.expected_tokens(0) / self.pass_cost[1]
-        for k in range(1, cap + 1):
-            cost = self._pass_seconds(k + 1)
-            rate = self.expected_tokens(k) / (self.draft_seconds(k) + cost)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
+        best_k, _ = self._best(cap)
         if best_k == 0:
             self.plain_steps += 1
-            if self.plain_steps % self.probe_every == 0:
-                return 1  # probe: keep the acceptance estimate fresh
+            if self.plain_steps >= (self.probe_gap or self.probe_every):
+                # probe to keep the acceptance estimate fresh; the next one comes later if this
+                # one does not change the verdict (drafting resets the gap below)
+                self.plain_steps, self.probe_gap = 0, min(LONGEST_PROBE_GAP, 2 * (self.probe_gap or self.probe_every))
+                return 1
+        else:
+            self.plain_steps, self.probe_gap = 0, 0
         return best_k
+
+    def _best(self, cap: int) -> tuple[int, float]:
+        """(k, tokens per second) of the best draft length up to cap; k = 0 is a plain step."""
+        best_k, best_rate = 0, self.expected_tokens(0) / self.pass_cost[1]
+        for k in range(1, cap + 1):
+            rate = self.expected_tokens(k) / (self.draft_seconds(k) + self._pass_seconds(k + 1))
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k, best_rate
+
+    def start_after(self, context_tokens: int) -> int:
+        """Plain tokens a request decodes before its drafter starts (deferred start, glossary)."""
+        if self.start_cost is None or self.draft_cost is None or 1 not in self.pass_cost:
+            return self.first_start_after
+        plain = self.pass_cost[1]  # seconds per token without drafting
+        best_k, rate = self._best(self.max_gamma)
+        saving = plain - 1.0 / rate  # seconds saved per token while drafting
+        if best_k == 0 or saving <= 0:
+            return self.latest_start
+        return min(self.latest_start, math.ceil(self.start_cost * context_tokens / saving))
+
+    def started(self, context_tokens: int, seconds: float) -> None:
+        """A drafter start over context_tokens took this long."""
+        per_token = seconds / max(1, context_tokens)
+        self.start_cost = per_token if self.start_cost is None else self.decay * self.start_cost + (1 - self.decay) * per_token
 
     def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         m = drafted + 1
