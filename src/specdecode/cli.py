@@ -23,7 +23,8 @@ def _add_model_args(p: argparse.ArgumentParser, draft_default: str | None = pack
     p.add_argument("--target", default=packs.DEFAULT_TARGET, help="target model: pack name, .gguf, directory or hub id (default: %(default)s)")
     p.add_argument("--draft", default=draft_default, help="draft model reference, 'ngram' for prompt lookup, or 'none' for plain decoding (default: %(default)s)")
     p.add_argument("--gamma", default="5", help="tokens drafted per step, or 'auto' to adapt it each step to maximise "
-                   "tokens/s (up to 8; falls back to plain decoding while drafting does not pay) (default: %(default)s)")
+                   "tokens/s (up to 8; starts each request plainly until drafting would have paid for the draft prefill, "
+                   "and falls back to plain decoding while drafting does not pay) (default: %(default)s)")
     p.add_argument("--drafter", default="model", choices=("model", "ngram", "hybrid"),
                    help="model: the draft model; ngram: prompt lookup (no draft model); hybrid: lookup when it finds "
                    "a continuation of 3+ tokens, else the draft model (default: %(default)s)")
