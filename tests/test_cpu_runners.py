@@ -110,6 +110,7 @@ def test_lean_decode_loop_is_bit_identical_to_the_module_path(make):
                 runner.truncate(runner.lengths - torch.tensor([0, 4, 0]))
         out.append(runner.forward(prompts[:, 20:23]))  # several rows, full blocks
         out.append(runner.forward(prompts[:2, 23:27], rows=[2, 0], counts=[2, 4]))  # ragged rows, packed
+        out.append(runner.forward(prompts[:2, 27:28], rows=[0, 1], counts=[0, 1]))  # a row with no tokens
         out.append(runner.prefill(prompts[:, :9]))  # a new batch of short prompts, last logits per row
         out.append(runner.forward(prompts[:, 9:10]))
         results.append(out)

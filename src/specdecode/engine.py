@@ -259,7 +259,8 @@ class SpecEngine:
                 active = [i for i, s in enumerate(slots) if s is not None]
                 rows = [slots[i] for i in active]
                 for slot, row in zip(active, rows):
-                    if gamma and not row.drafting and row.request.stats.new_tokens >= row.start_after:
+                    # (a request with one token left would prefill the draft for nothing)
+                    if gamma and not row.drafting and row.request.stats.new_tokens >= row.start_after and row.remaining > 1:
                         start_drafter(slot, row)
                 limits = [self.policy.choose(r.remaining) if gamma and r.drafting else 0 for r in rows]
                 spent = time.perf_counter()

@@ -176,7 +176,7 @@ class HFRunner:
         n, width = ids.shape
         full = counts is None or all(int(c) == width for c in counts)
         lean = self._lean_forward()
-        if full or (lean is not None and max(int(c) for c in counts) <= lean.max_block):
+        if full or (lean is not None and 0 < min(int(c) for c in counts) and max(int(c) for c in counts) <= lean.max_block):
             return self._run(ids, rows, counts, last_only=True)[:, -1]
         logits = self._run(ids, rows, counts, last_only=False)  # [n, S, V]
         return logits[torch.arange(n), torch.tensor([int(c) for c in counts]) - 1]
@@ -207,7 +207,7 @@ class HFRunner:
         if longest > self.max_context:
             raise SpecDecodeError(f"context of {longest} tokens exceeds the model's {self.max_context}")
         lean = self._lean_forward()
-        if lean is not None and max(counts) <= lean.max_block:
+        if lean is not None and 0 < min(counts) and max(counts) <= lean.max_block:
             return self._run_lean(lean, ids, rows, starts, counts, last_only)
         if not last_only and n > 1 and sum(counts) < n * width and self._packs():
             return self._run_packed(ids, rows, starts, counts)

@@ -9,9 +9,10 @@ Glossary:
   output records): on two CPU cores a 0.5B draft token spends several milliseconds there.
   Its logits are bit-identical to the module path (tested), so the two mix freely over one
   cache.
-- *eligible pass*: every row's block at most ``ROWWISE_MAX_BLOCK`` tokens (decode and
-  verification, one row or several packed back to back without padding; a prompt prefill
-  keeps the module path and its batched attention).
+- *eligible pass*: every row's block 1 to ``ROWWISE_MAX_BLOCK`` tokens (decode, verification
+  and prompts that short; one row or several packed back to back without padding). A longer
+  prompt prefill keeps the module path and its batched attention; a row with no tokens in the
+  pass sends the whole pass down the module path.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def _attention(q, keys, values, segments, groups: int, scaling) -> torch.Tensor:
     """q [1, H, T, D]; keys/values [rows, Hkv, slots, D]; segments [(row index into keys, first
     slot, count, offset in q)] -> [T, H * D]. Query i of a segment sees its row's slots up to
     first + i: the same single-query call as the module path's row-wise attention."""
-    if q.shape[2] == 1:
+    if len(segments) == 1 and q.shape[2] == 1:
         row, start, _, _ = segments[0]
         out = _single_query(q, keys[row : row + 1, :, : start + 1], values[row : row + 1, :, : start + 1], groups, scaling)
         return out.reshape(1, -1)  # [1, H, 1, D] has the layout of [1, 1, H, D]
