@@ -109,14 +109,17 @@ class RaggedCache(Cache):
         self.rows: list[int] = list(range(batch_size))  # active rows of the forward in progress
         self.packed: PackedLayout | None = None  # set during a packed forward
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def layer(self, layer_idx: int) -> _RaggedLayer:
         while len(self.layers) <= layer_idx:
             self.layers.append(_RaggedLayer())
+        return self.layers[layer_idx]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if self.packed is not None:
             p = self.packed
-            return self.layers[layer_idx].write_packed(key_states, value_states, p.token_rows, p.token_slots, p.need, self.rows_total)
+            return self.layer(layer_idx).write_packed(key_states, value_states, p.token_rows, p.token_slots, p.need, self.rows_total)
         starts = [self.row_lengths[r] for r in self.rows]
-        return self.layers[layer_idx].write(key_states, value_states, self.rows, starts, self.rows_total)
+        return self.layer(layer_idx).write(key_states, value_states, self.rows, starts, self.rows_total)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.row_lengths[r] for r in self.rows) if self.rows else 0
@@ -174,9 +177,7 @@ class HFRunner:
         """Like ``forward``, but only the logits after each row's last real token: [n, V]. A
         drafter catching up on many committed tokens then pays the output head once per row."""
         n, width = ids.shape
-        full = counts is None or all(int(c) == width for c in counts)
-        lean = self._lean_forward()
-        if full or (lean is not None and 0 < min(int(c) for c in counts) and max(int(c) for c in counts) <= lean.max_block):
+        if counts is None or all(int(c) == width for c in counts) or self._lean_takes([int(c) for c in counts]):
             return self._run(ids, rows, counts, last_only=True)[:, -1]
         logits = self._run(ids, rows, counts, last_only=False)  # [n, S, V]
         return logits[torch.arange(n), torch.tensor([int(c) for c in counts]) - 1]
@@ -206,9 +207,8 @@ class HFRunner:
         longest = max(s + c for s, c in zip(starts, counts))
         if longest > self.max_context:
             raise SpecDecodeError(f"context of {longest} tokens exceeds the model's {self.max_context}")
-        lean = self._lean_forward()
-        if lean is not None and 0 < min(counts) and max(counts) <= lean.max_block:
-            return self._run_lean(lean, ids, rows, starts, counts, last_only)
+        if self._lean_takes(counts):
+            return self._run_lean(ids, rows, starts, counts, last_only)
         if not last_only and n > 1 and sum(counts) < n * width and self._packs():
             return self._run_packed(ids, rows, starts, counts)
         positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)
@@ -238,24 +238,24 @@ class HFRunner:
             self._lean_checked = True
         return self._lean
 
-    def _run_lean(self, lean, ids, rows, starts, counts, last_only: bool) -> torch.Tensor:
+    def _lean_takes(self, counts: list[int]) -> bool:
+        """Every row has 1 to max_block tokens and the model is one runners.lean mirrors."""
+        lean = self._lean_forward()
+        return lean is not None and 0 < min(counts) and max(counts) <= lean.max_block
+
+    def _run_lean(self, ids, rows, starts, counts, last_only: bool) -> torch.Tensor:
         """Each row's real tokens back to back through runners.lean; logits [n, S, V] (zeros in
         padding), or [n, 1, V] after each row's last token with last_only."""
         n, width = ids.shape
         flat = ids[0] if n == 1 and counts[0] == width else torch.cat([ids[j, :c] for j, c in enumerate(counts)])
-        logits = lean(flat.to(self.device), self.cache, list(zip(rows, starts, counts)), keep_last=last_only)
+        logits = self._lean(flat.to(self.device), self.cache, list(zip(rows, starts, counts)), keep_last=last_only)
         for r, s, c in zip(rows, starts, counts):
             self.cache.row_lengths[r] = s + c
         if last_only:
             return logits[:, None]
         if n == 1 and counts[0] == width:
             return logits[None]
-        padded = logits.new_zeros((n, width, logits.shape[-1]))
-        offset = 0
-        for j, c in enumerate(counts):
-            padded[j, :c] = logits[offset : offset + c]
-            offset += c
-        return padded
+        return _padded(logits, counts, width)
 
     def _packs(self) -> bool:
         """Ragged blocks run packed (no padding computed) when the model uses the row-wise attention."""
@@ -268,7 +268,7 @@ class HFRunner:
         cache = self.cache
         layout = PackedLayout(rows, starts, counts, self.device)
         flat = torch.cat([ids[j, :c] for j, c in enumerate(counts)])[None]
-        positions = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])[None].to(self.device)
+        positions = layout.token_slots[None]  # a token's cache slot is its position
         marker = torch.zeros((1, 1, flat.shape[1], 1), dtype=self.dtype, device=self.device)
         marker.specdecode_packed = layout
         cache.packed = layout
@@ -277,13 +277,9 @@ class HFRunner:
                              cache=cache, use_cache=True, logits_to_keep=0)
         finally:
             cache.packed = None
-        logits = out.logits[0]  # [T, V]
-        padded = logits.new_zeros((len(rows), ids.shape[1], logits.shape[-1]))
-        for j, (o, c) in enumerate(zip(layout.offsets, counts)):
-            padded[j, :c] = logits[o : o + c]
         for r, s, c in zip(rows, starts, counts):
             cache.row_lengths[r] = s + c
-        return padded
+        return _padded(out.logits[0], counts, ids.shape[1])
 
     def _mask(self, starts: list[int], width: int) -> torch.Tensor:
         """[n, 1, width, keys] additive mask: query i of row j sees slots 0 .. starts[j] + i."""
@@ -293,3 +289,13 @@ class HFRunner:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         return mask[:, None]
+
+
+def _padded(logits: torch.Tensor, counts: list[int], width: int) -> torch.Tensor:
+    """logits [T, V] of rows' tokens back to back (row j has counts[j]) -> [n, width, V], zeros in padding."""
+    padded = logits.new_zeros((len(counts), width, logits.shape[-1]))
+    offset = 0
+    for j, c in enumerate(counts):
+        padded[j, :c] = logits[offset : offset + c]
+        offset += c
+    return padded

@@ -101,10 +101,12 @@ class PerTokenInt8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().to(torch.float32).clone()
         self.register_buffer("bias", bias)
 
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:  # [M, in] float32 -> [M, out] float32
+        out = _per_token_matmul(self._packed, rows)
+        return out if self.bias is None else out.add_(self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        out = _per_token_matmul(self._packed, _float_rows(x, self.in_features))
-        if self.bias is not None:
-            out.add_(self.bias)
+        out = self.rows(_float_rows(x, self.in_features))
         return _like_input(out.view(*x.shape[:-1], self.out_features), x)
 
 
@@ -133,10 +135,13 @@ class FusedInt8Group:
         self._output: torch.Tensor | None = None
         self._served: set[int] = set()
 
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:  # [M, in] float32 -> [M, sum out] float32
+        out = _per_token_matmul(self.packed, rows)
+        return out if self.bias is None else out.add_(self.bias)
+
     def output(self, x: torch.Tensor, member: int) -> torch.Tensor:  # -> [M, sum out] float32
         if self._input is not x or member in self._served:
-            out = _per_token_matmul(self.packed, _float_rows(x, self.in_features))
-            self._input, self._output, self._served = x, out if self.bias is None else out.add_(self.bias), set()
+            self._input, self._output, self._served = x, self.rows(_float_rows(x, self.in_features)), set()
         self._served.add(member)
         out = self._output
         if len(self._served) == len(self.bounds):  # every member has its slice: let go of the tensors

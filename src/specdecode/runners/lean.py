@@ -20,14 +20,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .int8 import ROWWISE_MAX_BLOCK, FusedInt8Member, PerTokenInt8Linear, _per_token_matmul, _single_query
+from .hf import PackedLayout
+from .int8 import ROWWISE_MAX_BLOCK, FusedInt8Member, PerTokenInt8Linear, _single_query
 
 LEAN_MODEL_TYPES = ("qwen2", "llama")
 LEAN_LAYER_CLASSES = ("Qwen2DecoderLayer", "LlamaDecoderLayer")
 
 
 class LeanLayer:
-    def __init__(self, layer: nn.Module, config):
+    def __init__(self, layer: nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = attn.q_proj._group
         self.gate_up = mlp.gate_proj._group
@@ -48,12 +49,10 @@ class LeanForward:
     max_block = ROWWISE_MAX_BLOCK  # longer blocks (a prompt prefill) keep the module path
 
     def __init__(self, model: nn.Module):
-        self.model = model
         base = model.model
         self.embed, self.norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
         self.head = model.lm_head
-        config = model.config
-        self.layers = [LeanLayer(layer, config) for layer in base.layers[: config.num_hidden_layers]]
+        self.layers = [LeanLayer(layer) for layer in base.layers[: model.config.num_hidden_layers]]
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -90,63 +89,38 @@ class LeanForward:
         x = self.embed(ids[None])  # [1, T, H]
         if len(segments) == 1:
             row, start, _ = segments[0]
-            positions = torch.arange(start, start + total)
+            packed, positions = None, torch.arange(start, start + total)
+            row_keys = [(0, start, total, 0)]  # index 0 of the row's own cache view
         else:
-            positions = torch.cat([torch.arange(s, s + c) for _, s, c in segments])
+            packed = PackedLayout([r for r, _, _ in segments], [s for _, s, _ in segments], [c for _, _, c in segments], x.device)
+            positions = packed.token_slots  # a token's cache slot is its position
+            row_keys = list(zip(packed.rows, packed.starts, packed.counts, packed.offsets))
         cos, sin = self.rotary(x, positions[None])  # [1, T, D]
         cos, signed_sin = cos.unsqueeze(1), _signed_sin(sin).unsqueeze(1)  # [1, 1, T, D]
-        layers = cache.layers
-        while len(layers) < len(self.layers):
-            from .hf import _RaggedLayer
-
-            layers.append(_RaggedLayer())
-        packed = None if len(segments) == 1 else _Packed(segments, x.device)
         for index, layer in enumerate(self.layers):
             h = layer.input_norm(x).view(total, -1)
-            qkv = _per_token_matmul(layer.qkv.packed, h)  # [T, q + k + v]
-            if layer.qkv.bias is not None:
-                qkv.add_(layer.qkv.bias)
+            qkv = layer.qkv.rows(h)  # [T, q + k + v]
             # rotary on the query and key heads at once: x * cos + rotate_half(x) * sin, where
             # rotate_half(x) * sin == roll(x, half) * signed_sin bit for bit (a negation is exact)
             qk = qkv[:, : layer.k_columns.stop].reshape(1, total, -1, layer.head_dim).transpose(1, 2)
             qk = (qk * cos) + (qk.roll(layer.head_dim // 2, -1) * signed_sin)  # [1, q + k heads, T, D]
             q, k = qk[:, : layer.query_heads], qk[:, layer.query_heads :]
             v = qkv[:, layer.v_columns].reshape(1, total, -1, layer.head_dim).transpose(1, 2)
+            cached = cache.layer(index)
             if packed is None:
-                keys, values = layers[index].write(k, v, [row], [start], cache.rows_total)
-                row_keys = [(0, start, total, 0)]
+                keys, values = cached.write(k, v, [row], [start], cache.rows_total)
             else:
-                keys, values = layers[index].write_packed(k, v, packed.token_rows, packed.token_slots, packed.need, cache.rows_total)
-                row_keys = packed.segments
+                keys, values = cached.write_packed(k, v, packed.token_rows, packed.token_slots, packed.need, cache.rows_total)
             attn = _attention(q, keys, values, row_keys, layer.groups, layer.scaling)  # [T, H * D]
-            x = _linear(layer.o_proj, attn).add_(x.view(total, -1))  # residual + attention (addition commutes)
+            x = layer.o_proj.rows(attn).add_(x.view(total, -1))  # residual + attention (addition commutes)
             h = layer.post_norm(x)
-            gate_up = _per_token_matmul(layer.gate_up.packed, h)
-            if layer.gate_up.bias is not None:
-                gate_up.add_(layer.gate_up.bias)
+            gate_up = layer.gate_up.rows(h)
             hidden = layer.act(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate :]
-            x = _linear(layer.down_proj, hidden).add_(x).view(1, total, -1)
+            x = layer.down_proj.rows(hidden).add_(x).view(1, total, -1)
         x = self.norm(x)
         if keep_last:
-            ends = [0] * len(segments)
-            for j, (_, _, count) in enumerate(segments):
-                ends[j] = (ends[j - 1] if j else -1) + count
-            x = x[:, ends]
+            x = x[:, [offset + count - 1 for _, _, count, offset in row_keys]]
         return self.head(x)[0]
-
-
-class _Packed:
-    """Where each token of a multi-row pass goes: cache row and slot per token, and per segment
-    (cache row, first slot, count, offset in the pass)."""
-
-    def __init__(self, segments, device):
-        self.token_rows = torch.tensor([r for r, _, c in segments for _ in range(c)], device=device)
-        self.token_slots = torch.tensor([s + i for _, s, c in segments for i in range(c)], device=device)
-        self.need = max(s + c for _, s, c in segments)
-        offsets = [0]
-        for _, _, c in segments[:-1]:
-            offsets.append(offsets[-1] + c)
-        self.segments = [(r, s, c, o) for (r, s, c), o in zip(segments, offsets)]
 
 
 def _attention(q, keys, values, segments, groups: int, scaling) -> torch.Tensor:
@@ -164,11 +138,6 @@ def _attention(q, keys, values, segments, groups: int, scaling) -> torch.Tensor:
             n = start + i + 1
             rows.append(_single_query(q[:, :, offset + i : offset + i + 1], row_keys[:, :, :n], row_values[:, :, :n], groups, scaling))
     return torch.cat(rows, dim=2).transpose(1, 2).reshape(q.shape[2], -1)
-
-
-def _linear(module: PerTokenInt8Linear, rows: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
-    out = _per_token_matmul(module._packed, rows)
-    return out if module.bias is None else out.add_(module.bias)
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:  # [..., D] -> sin with its first half negated
