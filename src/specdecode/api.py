@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 import torch
 
 from . import models, packs
-from .config import SamplingParams, SpecConfig
+from .config import DEFAULT_DRAFT_VOCAB, SamplingParams, SpecConfig
 from .drafters import ModelDrafter
 from .drafters.hybrid import HybridDrafter
 from .drafters.ngram import NgramDrafter
@@ -132,10 +132,16 @@ class SpeculativeGenerator:
         dtype: str = "float32",
         runner: str = "auto",
         draft_runner: str = "auto",
+        draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
         progress: bool = True,
     ) -> "SpeculativeGenerator":
         """runner / draft_runner: auto, hf (transformers as loaded), int8 (fast batch-invariant CPU
-        path) or llamacpp (drafts only). auto picks int8 / llama.cpp on CPU in float32."""
+        path) or llamacpp (drafts only). auto picks int8 / llama.cpp on CPU in float32.
+        draft_vocab: token ids a llama.cpp draft scores (the lowest ones plus control tokens;
+        None: all); the output is unchanged either way, only the draft's cost and acceptance move."""
+        if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 1):
+            raise SpecDecodeError(f"draft_vocab must be a positive number of token ids or None, got {draft_vocab!r}",
+                                  field="draft_vocab")
         SpecConfig(gamma=gamma, draft_confidence=draft_confidence)  # validate before the slow part
         torch_device, torch_dtype = models.parse_device(device), models.parse_dtype(dtype)
         models.check_reference(target, runner, "target")
@@ -146,7 +152,7 @@ class SpeculativeGenerator:
         if draft is not None and draft.lower() == "ngram":
             kind = "ngram"
         elif draft is not None and draft.lower() != "none":
-            loaded_draft = models.load(draft, torch_device, torch_dtype, progress, draft_runner, "draft")
+            loaded_draft = models.load(draft, torch_device, torch_dtype, progress, draft_runner, "draft", draft_vocab)
         return cls(loaded_target, loaded_draft, gamma=gamma, drafter=kind, draft_confidence=draft_confidence)
 
     def variant(self, drafter: str | None, gamma: int | str | None = None, draft_confidence: float | None = None):

@@ -11,6 +11,7 @@ import sys
 import time
 
 from . import packs
+from .config import DEFAULT_DRAFT_VOCAB, parse_draft_vocab
 from .errors import SpecDecodeError
 
 
@@ -32,6 +33,9 @@ def _add_model_args(p: argparse.ArgumentParser, draft_default: str | None = pack
                    help="stop drafting after a token the draft model gave less than this probability (default: %(default)s = off)")
     p.add_argument("--runner", default="auto", help="target runner: auto, hf or int8 (default: %(default)s; auto = int8 on CPU in float32)")
     p.add_argument("--draft-runner", default="auto", help="draft runner: auto, hf, int8 or llamacpp (default: %(default)s; auto = llamacpp for a GGUF draft when installed with AVX-512 kernels, else int8, on CPU)")
+    p.add_argument("--draft-vocab", default="full" if DEFAULT_DRAFT_VOCAB is None else str(DEFAULT_DRAFT_VOCAB),
+                   help="token ids a llama.cpp draft scores: its lowest N ids plus the control tokens, or 'full' "
+                   "(a cheaper draft token, lower acceptance when the text needs dropped ids; the output is unchanged) (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64 (default: %(default)s)")
 
@@ -181,8 +185,9 @@ def _load_generator(args, progress: bool = True, batched: bool = False):
     return SpeculativeGenerator.from_pretrained(
         args.target, _draft_reference(args), gamma=_gamma(args.gamma), drafter=_drafter_kind(args),
         draft_confidence=args.draft_confidence, device=args.device, dtype=args.dtype,
-        runner=args.runner, draft_runner=draft_runner, progress=progress,
+        runner=args.runner, draft_runner=draft_runner, draft_vocab=parse_draft_vocab(args.draft_vocab), progress=progress,
     )
+
 
 
 def read_prompts_file(path: str) -> list[dict]:

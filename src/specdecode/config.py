@@ -13,6 +13,20 @@ from dataclasses import dataclass, field
 
 from .errors import SpecDecodeError
 
+DEFAULT_DRAFT_VOCAB = None  # token ids a llama.cpp draft scores, None: all (see runners.llamacpp.trim_vocabulary)
+
+
+def parse_draft_vocab(value) -> int | None:
+    """--draft-vocab: 'full' (None) or a positive count of token ids; a one-line error otherwise."""
+    text = str(value).strip().lower()
+    if text == "full":
+        return None
+    count = int(text) if text.isdigit() else 0
+    if count < 1:
+        raise SpecDecodeError(f"--draft-vocab must be a positive number of token ids or 'full', got '{value}'",
+                              field="draft_vocab")
+    return count
+
 
 @dataclass(frozen=True)
 class SamplingParams:

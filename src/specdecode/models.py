@@ -117,7 +117,9 @@ def resolve(reference: str, progress: bool = True) -> tuple[str, dict]:
 
 
 def load(reference: str, device: torch.device, dtype: torch.dtype, progress: bool = True,
-         runner: str = "hf", role: str = "target") -> LoadedModel:
+         runner: str = "hf", role: str = "target", draft_vocab: int | None = None) -> LoadedModel:
+    """draft_vocab: a llama.cpp draft scores only its lowest ``draft_vocab`` token ids plus the
+    control tokens (None: its whole vocabulary); other runners ignore it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     requested, runner = runner, choose_runner(runner, device, dtype, reference, role)
@@ -127,6 +129,10 @@ def load(reference: str, device: torch.device, dtype: torch.dtype, progress: boo
 
         problem = llamacpp_problem(loaded.gguf_path, packs.cache_dir())
         if problem is None:
+            if draft_vocab is not None:
+                from .runners.llamacpp import trimmed_gguf
+
+                loaded.gguf_path = trimmed_gguf(loaded.gguf_path, draft_vocab, packs.cache_dir())
             return loaded
         hint = ('rebuild it with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" '
                 "pip install --force-reinstall --no-cache-dir llama-cpp-python")

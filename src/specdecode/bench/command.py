@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import SamplingParams, SpecConfig
+from ..config import SamplingParams, SpecConfig, parse_draft_vocab
 from ..errors import SpecDecodeError
 from . import harness, report
 from .methods import METHODS, NEEDS_DRAFT, BenchContext
@@ -32,7 +32,7 @@ def _load(args):
         draft_runner = "int8"  # batches need a draft runner that batches; llama.cpp runs one row
     spec = SpeculativeGenerator.from_pretrained(args.target, args.draft, gamma=args.gamma, device=args.device,
                                                 dtype=args.dtype, runner=args.runner, draft_runner=draft_runner,
-                                                draft_confidence=args.draft_confidence)
+                                                draft_confidence=args.draft_confidence, draft_vocab=parse_draft_vocab(args.draft_vocab))
     plain = spec.variant(None)
     ngram = spec.variant("ngram")
     hybrid = spec.variant("hybrid") if spec.draft is not None else None
@@ -109,6 +109,7 @@ def run_command(args, params: SamplingParams, command_line: str) -> int:
     if args.gamma == "auto":
         raise SpecDecodeError("bench runs fixed-gamma methods; the adaptive one is the method draft-auto", field="gamma")
     SpecConfig(gamma=args.gamma, draft_confidence=args.draft_confidence)
+    parse_draft_vocab(args.draft_vocab)  # a bad value fails before the models load
     if args.drafter != "model":
         raise SpecDecodeError("bench picks drafters by --methods (ngram, hybrid, ...); leave --drafter at model",
                               field="drafter")

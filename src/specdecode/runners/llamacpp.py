@@ -4,6 +4,14 @@ Glossary: llama.cpp's CPU kernels differ by how many tokens a call scores (one t
 eight or more), so a position's logits depend on its block: fine for a *drafter*, whose
 numerics never change the output, but not for a target. ``specdecode`` therefore uses it for
 drafts only. Truncation removes KV entries past the kept length (``llama_memory_seq_rm``).
+
+A *trimmed vocabulary* (``trim_vocabulary``): a copy of the GGUF whose embedding and output
+matrices keep only the rows of the lowest ``keep`` token ids (in a byte-level BPE vocabulary the
+earliest, most frequent merges) plus the control tokens. The output head is the largest single
+weight a draft token streams (a 0.5B Qwen2.5 draft: 145 of about 390 MB), so the trimmed draft
+is cheaper per token. The runner maps ids both ways: logits of dropped tokens are -inf (the
+draft never proposes them, so its distribution stays a proper one and sampling stays exact), and
+a dropped token in the context is fed as a stand-in token (it only changes what the draft sees).
 """
 
 from __future__ import annotations
@@ -84,6 +92,106 @@ def llamacpp_problem(gguf_path: str, cache_dir) -> str | None:
     return problem
 
 
+KEPT_IDS_KEY = "specdecode.vocabulary.kept_ids"  # trimmed GGUF: original id of each new id
+SOURCE_SIZE_KEY = "specdecode.vocabulary.source_size"
+
+
+def kept_token_ids(token_types: list[int], keep: int) -> list[int]:
+    """The ids a trimmed vocabulary keeps: every id below ``keep`` and every control or
+    user-defined token (GGUF token types 3 and 4) above it, in increasing order."""
+    return [i for i, kind in enumerate(token_types) if i < keep or kind in (3, 4)]
+
+
+def trim_vocabulary(source: str, destination, keep: int) -> None:
+    """Write a copy of the GGUF ``source`` with a trimmed vocabulary (see the module glossary)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    if keep < 1:
+        raise ValueError("a trimmed vocabulary keeps at least one token id")
+    reader = GGUFReader(source)
+    fields = reader.fields
+    kept = kept_token_ids(list(fields["tokenizer.ggml.token_type"].contents()), keep)
+    new_id = {old: new for new, old in enumerate(kept)}
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    pieces = {tokens[i] for i in kept}
+    arch = fields["general.architecture"].contents()
+    tmp = f"{destination}.tmp"
+    writer = GGUFWriter(tmp, arch)
+    for name, field in fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # written by GGUFWriter itself
+        value = field.contents()
+        if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            value = [value[i] for i in kept]
+        elif name == "tokenizer.ggml.merges":
+            value = [m for m in value if all(part in pieces for part in m.split(" ")) and m.replace(" ", "") in pieces]
+        elif name.startswith("tokenizer.ggml.") and name.endswith("_token_id"):
+            if int(value) not in new_id:
+                continue
+            value = new_id[int(value)]
+        if field.types[0] == GGUFValueType.ARRAY and len(value) == 0:
+            continue  # GGUF has no empty arrays (every merge named a dropped token)
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+    writer.add_key_value(KEPT_IDS_KEY, kept, GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+    writer.add_key_value(SOURCE_SIZE_KEY, len(tokens), GGUFValueType.UINT32)
+    rows = np.asarray(kept)
+    for tensor in reader.tensors:
+        data = tensor.data
+        if tensor.name in ("token_embd.weight", "output.weight"):
+            data = np.ascontiguousarray(data[rows])
+        quantized = tensor.tensor_type not in (0, 1)  # F32, F16 are written as plain arrays
+        writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type if quantized else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, destination)
+
+
+def trimmed_gguf(source: str, keep: int, cache_dir) -> str:
+    """The cached trimmed copy of ``source`` (written on first use)."""
+    from pathlib import Path
+
+    folder = Path(cache_dir) / "gguf"
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = Path(source).name.removesuffix(".gguf")
+    stamp = int(os.path.getsize(source))
+    out = folder / f"{stem}.vocab{keep}-{stamp}.gguf"
+    if not out.is_file():
+        trim_vocabulary(source, out, keep)
+    return str(out)
+
+
+class VocabularyMap:
+    """Between a trimmed vocabulary's own ids and the source's (the target's) ids."""
+
+    def __init__(self, kept: list[int], source_size: int):
+        self.source_size = source_size
+        self._to_source = torch.tensor(kept, dtype=torch.long)  # [own V] -> source id
+        # a dropped token is fed as token 0, which every trimmed vocabulary keeps
+        self._to_own = torch.zeros(source_size, dtype=torch.long)
+        self._to_own[self._to_source] = torch.arange(len(kept))
+
+    @classmethod
+    def of(cls, gguf_path: str) -> "VocabularyMap | None":
+        """The map a trimmed GGUF records, None for an untrimmed one."""
+        from gguf import GGUFReader
+
+        fields = GGUFReader(gguf_path).fields
+        if KEPT_IDS_KEY not in fields:
+            return None
+        return cls([int(i) for i in fields[KEPT_IDS_KEY].contents()], int(fields[SOURCE_SIZE_KEY].contents()))
+
+    def own_ids(self, tokens: list[int]) -> list[int]:
+        return self._to_own[torch.tensor(tokens, dtype=torch.long)].tolist()
+
+    def source_logits(self, own: torch.Tensor) -> torch.Tensor:  # [rows, own V] -> [rows, source V]
+        full = torch.full((own.shape[0], self.source_size), float("-inf"), dtype=own.dtype)
+        full[:, self._to_source] = own
+        return full
+
+
 class LlamaCppRunner:
     supports_batches = False  # one row (sequence 0)
 
@@ -95,7 +203,9 @@ class LlamaCppRunner:
         threads = threads or max(1, len(os.sched_getaffinity(0)))
         self.llm = Llama(gguf_path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
                          n_threads_batch=threads, logits_all=False, verbose=False)
-        self.vocab_size = int(self.llm.n_vocab())
+        self._own_vocab = int(self.llm.n_vocab())
+        self.vocabulary = VocabularyMap.of(gguf_path)  # a trimmed vocabulary speaks the source's ids outside
+        self.vocab_size = self._own_vocab if self.vocabulary is None else self.vocabulary.source_size
         self.max_context = n_ctx
         self.device = torch.device("cpu")
         self._n_batch = n_batch
@@ -130,13 +240,16 @@ class LlamaCppRunner:
     def _decode(self, tokens: list[int], all_logits: bool) -> torch.Tensor:
         if self._length + len(tokens) > self.max_context:
             raise SpecDecodeError(f"context of {self._length + len(tokens)} tokens exceeds the draft's {self.max_context}")
+        if self.vocabulary is not None:
+            tokens = self.vocabulary.own_ids(tokens)
         out = []
         for start in range(0, len(tokens), self._n_batch):
             chunk = tokens[start : start + self._n_batch]
             self.llm._batch.set_batch(chunk, n_past=self._length, logits_all=all_logits)
             self.llm._ctx.decode(self.llm._batch)
             rows = len(chunk) if all_logits else 1
-            logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(rows * self.vocab_size,))
-            out.append(torch.from_numpy(logits.reshape(rows, self.vocab_size).copy()))
+            logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(rows * self._own_vocab,))
+            own = torch.from_numpy(logits.reshape(rows, self._own_vocab))
+            out.append(own.clone() if self.vocabulary is None else self.vocabulary.source_logits(own))
             self._length += len(chunk)
         return torch.cat(out) if all_logits else out[-1]
