@@ -249,6 +249,7 @@ def _tiny_gguf(path, vocab: int = 40, width: int = 32):
     writer.add_bos_token_id(vocab - 2)
     writer.add_eos_token_id(vocab - 1)
     writer.add_pad_token_id(30)  # dropped at keep=16: the key goes
+    writer.add_vocab_size(vocab)
     embedding = rng.standard_normal((vocab, width)).astype(np.float32)
     output = quantize(rng.standard_normal((vocab, width)).astype(np.float32), GGMLQuantizationType.Q8_0)
     writer.add_tensor("token_embd.weight", embedding)
@@ -276,7 +277,7 @@ def test_trimmed_vocabulary_keeps_low_ids_and_control_tokens(tmp_path):
     assert list(fields["tokenizer.ggml.token_type"].contents()) == [1] * 16 + [3, 3]
     assert fields["tokenizer.ggml.merges"].contents() == ["t1 t2"]
     assert fields["tokenizer.ggml.bos_token_id"].contents() == 16 and fields["tokenizer.ggml.eos_token_id"].contents() == 17
-    assert "tokenizer.ggml.padding_token_id" not in fields
+    assert "tokenizer.ggml.padding_token_id" not in fields and fields["qwen2.vocab_size"].contents() == 18
     tensors = {t.name: t for t in GGUFReader(str(tmp_path / "t.gguf")).tensors}
     assert np.array_equal(tensors["token_embd.weight"].data, embedding[kept])
     assert np.array_equal(tensors["output.weight"].data, output[kept])  # quantized rows copied byte for byte

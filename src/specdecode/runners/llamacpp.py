@@ -125,6 +125,8 @@ def trim_vocabulary(source: str, destination, keep: int) -> None:
             value = [value[i] for i in kept]
         elif name == "tokenizer.ggml.merges":
             value = [m for m in value if all(part in pieces for part in m.split(" ")) and m.replace(" ", "") in pieces]
+        elif name == f"{arch}.vocab_size":
+            value = len(kept)
         elif name.startswith("tokenizer.ggml.") and name.endswith("_token_id"):
             if int(value) not in new_id:
                 continue
