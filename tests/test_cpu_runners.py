@@ -263,16 +263,18 @@ def _tiny_gguf(path, vocab: int = 40, width: int = 32):
 
 
 def test_trimmed_vocabulary_keeps_low_ids_and_control_tokens(tmp_path):
+    import json
+
     import numpy as np
     from gguf import GGUFReader
 
-    from specdecode.runners.llamacpp import KEPT_IDS_KEY, VocabularyMap, trim_vocabulary
+    from specdecode.runners.llamacpp import VocabularyMap, trim_vocabulary, vocabulary_file
 
     embedding, output = _tiny_gguf(tmp_path / "m.gguf")
     trim_vocabulary(str(tmp_path / "m.gguf"), tmp_path / "t.gguf", keep=16)
     fields = GGUFReader(str(tmp_path / "t.gguf")).fields
     kept = list(range(16)) + [38, 39]
-    assert list(fields[KEPT_IDS_KEY].contents()) == kept
+    assert json.loads(open(vocabulary_file(tmp_path / "t.gguf")).read()) == {"kept_ids": kept, "source_size": 40}
     assert fields["tokenizer.ggml.tokens"].contents() == [f"t{i}" for i in range(14)] + ["t1t2", "t15", "<|a|>", "<|b|>"]
     assert list(fields["tokenizer.ggml.token_type"].contents()) == [1] * 16 + [3, 3]
     assert fields["tokenizer.ggml.merges"].contents() == ["t1 t2"]

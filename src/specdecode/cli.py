@@ -189,7 +189,6 @@ def _load_generator(args, progress: bool = True, batched: bool = False):
     )
 
 
-
 def read_prompts_file(path: str) -> list[dict]:
     """JSONL prompts -> dicts with 'prompt' (and optional max_new_tokens, seed, id); one-line errors."""
     try:

@@ -92,19 +92,25 @@ def llamacpp_problem(gguf_path: str, cache_dir) -> str | None:
     return problem
 
 
-KEPT_IDS_KEY = "specdecode.vocabulary.kept_ids"  # trimmed GGUF: original id of each new id
-SOURCE_SIZE_KEY = "specdecode.vocabulary.source_size"
-
-
 def kept_token_ids(token_types: list[int], keep: int) -> list[int]:
     """The ids a trimmed vocabulary keeps: every id below ``keep`` and every control or
     user-defined token (GGUF token types 3 and 4) above it, in increasing order."""
     return [i for i, kind in enumerate(token_types) if i < keep or kind in (3, 4)]
 
 
+def vocabulary_file(gguf_path) -> str:
+    """Where a trimmed GGUF's id map lies (JSON: the source id of each kept id, and the source's
+    vocabulary size). Not in the GGUF's own metadata: reading any key back with gguf's reader
+    parses the whole tokenizer (about 8 s for Qwen2.5's), at every load."""
+    return f"{gguf_path}.vocabulary.json"
+
+
 def trim_vocabulary(source: str, destination, keep: int) -> None:
-    """Write a copy of the GGUF ``source`` with a trimmed vocabulary (see the module glossary)."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    """Write a copy of the GGUF ``source`` with a trimmed vocabulary (see the module glossary),
+    and its id map beside it (``vocabulary_file``)."""
+    import json
+
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
     if keep < 1:
         raise ValueError("a trimmed vocabulary keeps at least one token id")
@@ -135,20 +141,20 @@ def trim_vocabulary(source: str, destination, keep: int) -> None:
             continue  # GGUF has no empty arrays (every merge named a dropped token)
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
         writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
-    writer.add_key_value(KEPT_IDS_KEY, kept, GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
-    writer.add_key_value(SOURCE_SIZE_KEY, len(tokens), GGUFValueType.UINT32)
     rows = np.asarray(kept)
     for tensor in reader.tensors:
         data = tensor.data
         if tensor.name in ("token_embd.weight", "output.weight"):
             data = np.ascontiguousarray(data[rows])
-        quantized = tensor.tensor_type not in (0, 1)  # F32, F16 are written as plain arrays
+        quantized = tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)  # plain arrays
         writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type if quantized else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    os.replace(tmp, destination)
+    with open(vocabulary_file(destination), "w") as out:
+        json.dump({"kept_ids": kept, "source_size": len(tokens)}, out)
+    os.replace(tmp, destination)  # last: a GGUF in place always has its map
 
 
 def trimmed_gguf(source: str, keep: int, cache_dir) -> str:
@@ -160,7 +166,7 @@ def trimmed_gguf(source: str, keep: int, cache_dir) -> str:
     stem = Path(source).name.removesuffix(".gguf")
     stamp = int(os.path.getsize(source))
     out = folder / f"{stem}.vocab{keep}-{stamp}.gguf"
-    if not out.is_file():
+    if not (out.is_file() and os.path.isfile(vocabulary_file(out))):
         trim_vocabulary(source, out, keep)
     return str(out)
 
@@ -177,13 +183,14 @@ class VocabularyMap:
 
     @classmethod
     def of(cls, gguf_path: str) -> "VocabularyMap | None":
-        """The map a trimmed GGUF records, None for an untrimmed one."""
-        from gguf import GGUFReader
+        """The map ``trim_vocabulary`` wrote beside a trimmed GGUF, None for an untrimmed one."""
+        import json
 
-        fields = GGUFReader(gguf_path).fields
-        if KEPT_IDS_KEY not in fields:
+        if not os.path.isfile(vocabulary_file(gguf_path)):
             return None
-        return cls([int(i) for i in fields[KEPT_IDS_KEY].contents()], int(fields[SOURCE_SIZE_KEY].contents()))
+        with open(vocabulary_file(gguf_path)) as f:
+            recorded = json.load(f)
+        return cls([int(i) for i in recorded["kept_ids"]], int(recorded["source_size"]))
 
     def own_ids(self, tokens: list[int]) -> list[int]:
         return self._to_own[torch.tensor(tokens, dtype=torch.long)].tolist()
