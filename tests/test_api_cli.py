@@ -126,6 +126,7 @@ def test_cli_streams_text_then_a_stats_line(saved):
         (["--max-new-tokens", "1000"], "exceeds the target's context"),
         (["--draft-vocab", "0"], "--draft-vocab must be a positive number"),
         (["--draft-vocab", "half"], "--draft-vocab must be a positive number"),
+        (["--draft-quant", "q2_k"], "argument --draft-quant: invalid choice"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_nonzero(saved, flags, message, capsys):
@@ -157,6 +158,16 @@ def test_prompt_longer_than_context_via_api(generators):
     spec, _ = generators
     with pytest.raises(SpecDecodeError, match="context"):
         spec.generate("a" * 300, max_new_tokens=4)
+
+
+def test_bad_draft_settings_via_api_fail_before_loading(saved):
+    from specdecode.api import SpeculativeGenerator
+    from specdecode.errors import SpecDecodeError
+
+    for settings, message in (({"draft_quant": "q2_k"}, "draft_quant must be one of source, q4_0, q8_0"),
+                              ({"draft_vocab": 0}, "draft_vocab must be a positive number")):
+        with pytest.raises(SpecDecodeError, match=message):
+            SpeculativeGenerator.from_pretrained(str(saved / "target"), str(saved / "draft"), **settings)
 
 
 def test_models_list_runs():

@@ -1,6 +1,8 @@
 """The CPU runners: int8 per-token path (contract, bit-exact batch invariance, exact speculation)
 and the llama.cpp draft runner (contract; draft-only)."""
 
+import os
+
 import pytest
 import torch
 
@@ -314,3 +316,25 @@ def test_trimmed_llamacpp_draft_scores_kept_ids_as_the_full_one(tmp_path):
     assert (b[0, 4096:151643] == float("-inf")).all()
     step = trimmed.forward(torch.tensor([[100000, 700]]))  # a dropped id in the context is fed as token 0
     assert step.shape == (1, 2, full.vocab_size) and torch.isfinite(step[0, :, kept]).all()
+
+
+@pytest.mark.skipif(not (llamacpp_available() and packs.installed(DRAFT_PACK)),
+                    reason='needs llama-cpp-python and the draft pack (pip install ".[models,llamacpp]")')
+def test_requantized_llamacpp_draft_is_cached_smaller_and_close_to_the_source(tmp_path):
+    from specdecode.runners.llamacpp import LlamaCppRunner, VocabularyMap, requantized_gguf, trimmed_gguf
+
+    source = str(packs.ensure_assembled(DRAFT_PACK, progress=False))
+    path = requantized_gguf(source, "q4_0", tmp_path)
+    assert os.path.getsize(path) < 0.9 * os.path.getsize(source)  # Q4_0 blocks: 4.5 bits a weight
+    written = os.path.getmtime(path)
+    assert requantized_gguf(source, "q4_0", tmp_path) == path and os.path.getmtime(path) == written  # cached
+    full, requantized = LlamaCppRunner(source, n_ctx=256), LlamaCppRunner(path, n_ctx=256)
+    text = b"def fibonacci(n):\n    if n <= 1:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    ids = torch.tensor([full.llm.tokenize(text, add_bos=False)])
+    a, b = full.prefill(ids)[0], requantized.prefill(ids)[0]
+    assert not torch.equal(a, b)  # other weights ...
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8  # ... that mostly pick the same next token
+    trimmed = trimmed_gguf(path, 4096, tmp_path)  # composes with a trimmed vocabulary
+    assert VocabularyMap.of(trimmed) is not None and VocabularyMap.of(path) is None
+    with pytest.raises(ValueError):
+        requantized_gguf(source, "q2_k", tmp_path)

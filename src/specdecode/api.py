@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 import torch
 
 from . import models, packs
-from .config import DEFAULT_DRAFT_VOCAB, SamplingParams, SpecConfig
+from .config import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, SamplingParams, SpecConfig, check_draft_quant
 from .drafters import ModelDrafter
 from .drafters.hybrid import HybridDrafter
 from .drafters.ngram import NgramDrafter
@@ -133,12 +133,16 @@ class SpeculativeGenerator:
         runner: str = "auto",
         draft_runner: str = "auto",
         draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
+        draft_quant: str = DEFAULT_DRAFT_QUANT,
         progress: bool = True,
     ) -> "SpeculativeGenerator":
         """runner / draft_runner: auto, hf (transformers as loaded), int8 (fast batch-invariant CPU
         path) or llamacpp (drafts only). auto picks int8 / llama.cpp on CPU in float32.
         draft_vocab: token ids a llama.cpp draft scores (the lowest ones plus control tokens;
-        None: all); the output is unchanged either way, only the draft's cost and acceptance move."""
+        None: all); the output is unchanged either way, only the draft's cost and acceptance move.
+        draft_quant: the weights a llama.cpp draft runs ('source', or a cached copy llama.cpp
+        requantizes: 'q4_0', 'q8_0'); again only cost and acceptance move."""
+        check_draft_quant(draft_quant)
         if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 1):
             raise SpecDecodeError(f"draft_vocab must be a positive number of token ids or None, got {draft_vocab!r}",
                                   field="draft_vocab")
@@ -152,7 +156,8 @@ class SpeculativeGenerator:
         if draft is not None and draft.lower() == "ngram":
             kind = "ngram"
         elif draft is not None and draft.lower() != "none":
-            loaded_draft = models.load(draft, torch_device, torch_dtype, progress, draft_runner, "draft", draft_vocab)
+            loaded_draft = models.load(draft, torch_device, torch_dtype, progress, draft_runner, "draft", draft_vocab,
+                                       draft_quant)
         return cls(loaded_target, loaded_draft, gamma=gamma, drafter=kind, draft_confidence=draft_confidence)
 
     def variant(self, drafter: str | None, gamma: int | str | None = None, draft_confidence: float | None = None):

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from .errors import SpecDecodeError
 
 DEFAULT_DRAFT_VOCAB = None  # token ids a llama.cpp draft scores, None: all (see runners.llamacpp.trim_vocabulary)
+# the weight format a llama.cpp draft runs in: 'source' as its GGUF ships, or a copy llama.cpp
+# requantizes (see runners.llamacpp.requantized_gguf); q4_0 drafts a token faster than Q4_K_M
+DRAFT_QUANTS = ("source", "q4_0", "q8_0")
+DEFAULT_DRAFT_QUANT = "q4_0"
 
 
 def parse_draft_vocab(value) -> int | None:
@@ -26,6 +30,13 @@ def parse_draft_vocab(value) -> int | None:
         raise SpecDecodeError(f"--draft-vocab must be a positive number of token ids or 'full', got '{value}'",
                               field="draft_vocab")
     return count
+
+
+def check_draft_quant(value) -> str:
+    """--draft-quant: one of DRAFT_QUANTS; a one-line error otherwise."""
+    if value not in DRAFT_QUANTS:
+        raise SpecDecodeError(f"draft_quant must be one of {', '.join(DRAFT_QUANTS)}, got {value!r}", field="draft_quant")
+    return value
 
 
 @dataclass(frozen=True)

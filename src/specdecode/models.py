@@ -117,9 +117,11 @@ def resolve(reference: str, progress: bool = True) -> tuple[str, dict]:
 
 
 def load(reference: str, device: torch.device, dtype: torch.dtype, progress: bool = True,
-         runner: str = "hf", role: str = "target", draft_vocab: int | None = None) -> LoadedModel:
+         runner: str = "hf", role: str = "target", draft_vocab: int | None = None,
+         draft_quant: str = "source") -> LoadedModel:
     """draft_vocab: a llama.cpp draft scores only its lowest ``draft_vocab`` token ids plus the
-    control tokens (None: its whole vocabulary); other runners ignore it."""
+    control tokens (None: its whole vocabulary); draft_quant: it runs a copy llama.cpp requantized
+    to that type ('source': the GGUF as it is). Other runners ignore both."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     requested, runner = runner, choose_runner(runner, device, dtype, reference, role)
@@ -129,9 +131,11 @@ def load(reference: str, device: torch.device, dtype: torch.dtype, progress: boo
 
         problem = llamacpp_problem(loaded.gguf_path, packs.cache_dir())
         if problem is None:
-            if draft_vocab is not None:
-                from .runners.llamacpp import trimmed_gguf
+            from .runners.llamacpp import requantized_gguf, trimmed_gguf
 
+            if draft_quant != "source":  # before trimming: the trimmed copy's id map is written beside it
+                loaded.gguf_path = requantized_gguf(loaded.gguf_path, draft_quant, packs.cache_dir())
+            if draft_vocab is not None:
                 loaded.gguf_path = trimmed_gguf(loaded.gguf_path, draft_vocab, packs.cache_dir())
             return loaded
         hint = ('rebuild it with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" '

@@ -32,7 +32,8 @@ def _load(args):
         draft_runner = "int8"  # batches need a draft runner that batches; llama.cpp runs one row
     spec = SpeculativeGenerator.from_pretrained(args.target, args.draft, gamma=args.gamma, device=args.device,
                                                 dtype=args.dtype, runner=args.runner, draft_runner=draft_runner,
-                                                draft_confidence=args.draft_confidence, draft_vocab=parse_draft_vocab(args.draft_vocab))
+                                                draft_confidence=args.draft_confidence, draft_vocab=parse_draft_vocab(args.draft_vocab),
+                                                draft_quant=args.draft_quant)
     plain = spec.variant(None)
     ngram = spec.variant("ngram")
     hybrid = spec.variant("hybrid") if spec.draft is not None else None
@@ -92,7 +93,7 @@ def run_batch_command(args, params: SamplingParams, command_line: str, has_draft
         "dtype": args.dtype, "suite": args.suite, "prompts": len(prompts), "offset": args.offset,
         "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "methods": methods,
         "batch_sizes": args.batch_sizes, "runner": ctx.spec.target.runner,
-        "draft_runner": ctx.spec.draft.runner if ctx.spec.draft else None,
+        "draft_runner": ctx.spec.draft.runner if ctx.spec.draft else None, "draft_gguf": _draft_gguf(ctx),
     }, **batch}
     print(format_batch_table(batch))
     out = Path(args.out)
@@ -101,6 +102,12 @@ def run_batch_command(args, params: SamplingParams, command_line: str, has_draft
     out.with_suffix(".md").write_text(batch_markdown(batch, command_line))
     print(f"wrote {out}, {out.with_suffix('.md')}", file=sys.stderr)
     return 0
+
+
+def _draft_gguf(ctx) -> str | None:
+    """The file a llama.cpp draft ran (its name says any requantization or trimmed vocabulary)."""
+    draft = ctx.spec.draft
+    return draft.gguf_path if draft is not None and draft.runner == "llamacpp" else None
 
 
 def run_command(args, params: SamplingParams, command_line: str) -> int:
@@ -130,6 +137,7 @@ def run_command(args, params: SamplingParams, command_line: str) -> int:
         "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_k": params.top_k,
         "top_p": params.top_p, "seed": params.seed, "methods": methods,
         "runner": ctx.spec.target.runner, "draft_runner": ctx.spec.draft.runner if ctx.spec.draft else None,
+        "draft_gguf": _draft_gguf(ctx),
         "hf_defaults": "assisted: transformers defaults; lookup: prompt_lookup_num_tokens=10",
     }
     if has_draft and not getattr(args, "no_cost_model", False):
