@@ -183,7 +183,7 @@ def requantized_gguf(source: str, kind: str, cache_dir) -> str:
     ``q8_0``), written on first use (about 3 s for a 0.5B draft).
 
     Why: llama.cpp's Q4_0 kernels are the cheapest it has on x86; the shipped draft's Q4_K_M
-    scores a token in 23.6 ms here, the same weights requantized to Q4_0 in 16.8 ms
+    scores a token in 22.1 ms here, the same weights requantized to Q4_0 in 15.9 ms
     (docs/benchmarks.md section 13). Requantizing an already quantized file loses a little of
     the draft's agreement with the target, never exactness: only the drafter changes."""
     import ctypes
