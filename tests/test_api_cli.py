@@ -259,3 +259,25 @@ def test_bench_batch_mode_end_to_end(saved, tmp_path, capsys):
     assert "--batch-size takes positive integers" in capsys.readouterr().err
     assert main(["bench", *common, "--batch-size", "2", "--methods", "ar,hf-assisted"]) == 2
     assert "with --batch-size, methods are" in capsys.readouterr().err
+
+
+def test_ignore_eos_runs_past_the_end_token_to_max_new_tokens(pair):
+    tok, target, draft = pair
+    spec = SpeculativeGenerator(LoadedModel("t", target, tok), LoadedModel("d", draft, tok), gamma=4)
+    plain = SpeculativeGenerator(LoadedModel("t", target, tok), None)
+    free = plain.generate("hello world", max_new_tokens=40, ignore_eos=True).token_ids
+    end = free[8]  # make a token the answer holds its end-of-sequence token
+    spec.eos_ids = plain.eos_ids = [end]
+    cut = free.index(end) + 1
+    for gen in (spec, plain):
+        stopped = gen.generate("hello world", max_new_tokens=40)
+        assert stopped.token_ids == free[:cut] and stopped.finish_reason == "stop"
+        for params in (SamplingParams(max_new_tokens=40, ignore_eos=True), SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.8, seed=5)):
+            out = gen.generate("hello world", params)
+            assert len(out.token_ids) == 40 and out.finish_reason == "length" and out.stats.new_tokens == 40
+            if params.greedy:
+                assert out.token_ids == free
+        rows = gen.generate_batch(["hello world", "abc"], SamplingParams(max_new_tokens=40, ignore_eos=True), batch_size=2 if gen is plain else 1)
+        assert rows.results[0].token_ids == free and len(rows.results[1].token_ids) == 40
+    with pytest.raises(Exception, match="ignore_eos"):
+        SamplingParams(ignore_eos="yes")

@@ -123,3 +123,22 @@ def test_batch_bench_schema_ratios_and_exactness(ctx, suite):
         assert entry["draft"]["acceptance_rate"] > 0 and len(entry["draft"]["per_row"]) == len(suite)
     assert result["batch"]["3"]["ar"]["rows_per_forward"] > 1
     assert "batch  method" in format_batch_table(result) and "| 3 | draft |" in batch_markdown(result, "cmd")
+
+
+def test_ignore_eos_gives_every_method_the_same_length(ctx, suite):
+    gens = [ctx.spec, ctx.plain, ctx.ngram, ctx.hybrid, ctx.auto]
+    saved = [g.eos_ids for g in gens]
+    ids = ctx.spec.encode(suite[0].text)
+    end = ctx.plain.generate(ids, max_new_tokens=20).token_ids[5]  # an answer token becomes the end token
+    try:
+        for g in gens:
+            g.eos_ids = [end]
+        names = ["ar", "draft", "draft-auto", "ngram", "hybrid", "hf", "hf-assisted", "hf-lookup"]
+        cut = harness.run_suite(ctx, suite[:2], names, SamplingParams(max_new_tokens=20))
+        full = harness.run_suite(ctx, suite[:2], names, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    finally:
+        for g, eos in zip(gens, saved):
+            g.eos_ids = eos
+    assert all(r["methods"][n]["new_tokens"] <= 6 for r in cut["per_prompt"][:1] for n in names)
+    assert all(r["methods"][n]["new_tokens"] == 20 for r in full["per_prompt"] for n in names)
+    assert all(m["mismatches"] == 0 for m in full["methods"].values())

@@ -93,6 +93,8 @@ def test_stop_inside_a_block_and_sampling_params(client, reference):
     b = client.completions.create(model="tiny", prompt="abc", max_tokens=30, temperature=0.9, top_p=0.9, seed=7,
                                   extra_body={"top_k": 5})
     assert a.choices[0].text == b.choices[0].text
+    full = client.completions.create(model="tiny", prompt="abc", max_tokens=30, extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == 30 and full.choices[0].finish_reason == "length"
 
 
 def test_sixteen_concurrent_requests_match_sequential(client):
@@ -116,6 +118,7 @@ BAD = [
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": "a", "n": 2}, 400, "n"),
     ({"prompt": "a", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "a", "ignore_eos": 1}, 400, "ignore_eos"),
     ({"prompt": "a", "stop": [1]}, 400, "stop"),
     ({"prompt": "a", "gamma": 0}, 400, "gamma"),
     ({"prompt": "a", "max_tokens": 5000}, 400, "max_tokens"),

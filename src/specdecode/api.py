@@ -243,7 +243,7 @@ class SpeculativeGenerator:
             row_params = SamplingParams(
                 temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, stop=params.stop,
                 max_new_tokens=spec.get("max_new_tokens", params.max_new_tokens),
-                seed=spec.get("seed", None if params.seed is None else params.seed + i),
+                seed=spec.get("seed", None if params.seed is None else params.seed + i), ignore_eos=params.ignore_eos,
             )
             ids = self.encode(spec["prompt"], chat)
             self.engine.check_fits(len(ids), row_params.max_new_tokens)
@@ -253,7 +253,7 @@ class SpeculativeGenerator:
             texts.append(TextStream(self.tokenizer, ids, params.stop))
         stats = BatchStats()
         finish: list[str | None] = [None] * len(rows)
-        for step in self.engine.generate_batch(rows, params, self.eos_ids, batch_size=batch_size, stats=stats):
+        for step in self.engine.generate_batch(rows, params, params.stopping_ids(self.eos_ids), batch_size=batch_size, stats=stats):
             text = texts[step.index]
             delta = text.push(step.tokens)
             if delta.stopped:
@@ -272,7 +272,7 @@ class SpeculativeGenerator:
     def _chunks(self, engine, prompt_ids, params, stream: GenerationStream) -> Iterator[StreamChunk]:
         stats = GenerationStats()
         text = TextStream(self.tokenizer, prompt_ids, params.stop)
-        steps = engine.generate(torch.tensor([prompt_ids]), params, self.eos_ids, stats=stats)
+        steps = engine.generate(torch.tensor([prompt_ids]), params, params.stopping_ids(self.eos_ids), stats=stats)
         finish = "length"
         t0 = time.perf_counter()
         try:

@@ -51,6 +51,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the end-of-sequence token: always generate --max-new-tokens (a benchmark "
+                   "then compares every method over the same number of tokens)")
 
 
 def _add_suite_args(p: argparse.ArgumentParser, limit: int) -> None:
@@ -161,6 +164,7 @@ def _sampling_from(args):
         max_new_tokens=args.max_new_tokens,
         stop=tuple(args.stop),
         seed=args.seed,
+        ignore_eos=args.ignore_eos,
     )
 
 

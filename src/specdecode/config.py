@@ -49,6 +49,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
+    ignore_eos: bool = False  # an end-of-sequence token is a token like any other: always max_new_tokens
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature)
@@ -70,6 +71,17 @@ class SamplingParams:
             raise SpecDecodeError("stop must be non-empty strings", field="stop")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise SpecDecodeError(f"seed must be an integer, got {self.seed!r}", field="seed")
+        if not isinstance(self.ignore_eos, bool):
+            raise SpecDecodeError(f"ignore_eos must be true or false, got {self.ignore_eos!r}", field="ignore_eos")
+
+    def stopping_ids(self, eos_ids):
+        """The tokens that end a request under these settings (none with ignore_eos)."""
+        return [] if self.ignore_eos else list(eos_ids)
+
+    def warmup(self, max_new_tokens: int) -> "SamplingParams":
+        """The same sampling settings for a short warm-up run, no stop strings."""
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              max_new_tokens=max_new_tokens, seed=self.seed, ignore_eos=self.ignore_eos)
 
     @property
     def greedy(self) -> bool:

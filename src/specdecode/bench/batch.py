@@ -47,9 +47,9 @@ def _ours(gen, encoded: list[list[int]], params: SamplingParams, batch_size: int
 def _hf(ctx: BenchContext, encoded: list[list[int]], params: SamplingParams, batch_size: int) -> dict:
     model = ctx.spec.target.model
     device = next(model.parameters()).device
-    eos = ctx.spec.eos_ids
-    pad = (eos or [0])[0]
-    kwargs = dict(max_new_tokens=params.max_new_tokens, eos_token_id=eos or None, pad_token_id=pad)
+    eos = params.stopping_ids(ctx.spec.eos_ids)  # transformers stops on none for [], on the model's own for None
+    pad = (ctx.spec.eos_ids or [0])[0]
+    kwargs = dict(max_new_tokens=params.max_new_tokens, eos_token_id=eos, pad_token_id=pad)
     if params.greedy:
         kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
     else:
@@ -86,8 +86,7 @@ def run_batch_suite(
     for ids in encoded:
         ctx.spec.engine.check_fits(len(ids), params.max_new_tokens)
     pick = {"ar": ctx.plain, "draft": ctx.spec, "ngram": ctx.ngram, "hybrid": ctx.hybrid}
-    warm = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                          max_new_tokens=8, seed=params.seed)
+    warm = params.warmup(8)
 
     def run(name: str, batch_size: int, p: SamplingParams, items) -> dict:
         if name == "hf":

@@ -91,7 +91,8 @@ def run_batch_command(args, params: SamplingParams, command_line: str, has_draft
     result = {"config": {
         "command": command_line, "target": args.target, "draft": args.draft, "gamma": args.gamma, "device": args.device,
         "dtype": args.dtype, "suite": args.suite, "prompts": len(prompts), "offset": args.offset,
-        "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "methods": methods,
+        "max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
+        "ignore_eos": params.ignore_eos, "methods": methods,
         "batch_sizes": args.batch_sizes, "runner": ctx.spec.target.runner,
         "draft_runner": ctx.spec.draft.runner if ctx.spec.draft else None, "draft_gguf": _draft_gguf(ctx),
     }, **batch}
@@ -135,7 +136,7 @@ def run_command(args, params: SamplingParams, command_line: str) -> int:
         "command": command_line, "target": args.target, "draft": args.draft, "gamma": args.gamma,
         "device": args.device, "dtype": args.dtype, "suite": args.suite, "prompts": len(prompts), "offset": args.offset,
         "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_k": params.top_k,
-        "top_p": params.top_p, "seed": params.seed, "methods": methods,
+        "top_p": params.top_p, "seed": params.seed, "ignore_eos": params.ignore_eos, "methods": methods,
         "runner": ctx.spec.target.runner, "draft_runner": ctx.spec.draft.runner if ctx.spec.draft else None,
         "draft_gguf": _draft_gguf(ctx),
         "hf_defaults": "assisted: transformers defaults; lookup: prompt_lookup_num_tokens=10",

@@ -31,8 +31,7 @@ def run_suite(
     encoded = [ctx.spec.encode(p.text, chat=p.chat) for p in prompts]
     for ids in encoded:
         ctx.spec.engine.check_fits(len(ids), params.max_new_tokens)
-    warm = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                          max_new_tokens=WARMUP_TOKENS, seed=params.seed)
+    warm = params.warmup(WARMUP_TOKENS)
     for name in methods:
         METHODS[name](ctx, encoded[0], warm)
     per_prompt = []

@@ -92,8 +92,8 @@ def _hf(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams, **extr
     model = ctx.spec.target.model
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], device=device)
-    eos = ctx.spec.eos_ids
-    kwargs = dict(max_new_tokens=params.max_new_tokens, eos_token_id=eos or None, pad_token_id=(eos or [0])[0])
+    eos = params.stopping_ids(ctx.spec.eos_ids)  # transformers stops on none for [], on the model's own for None
+    kwargs = dict(max_new_tokens=params.max_new_tokens, eos_token_id=eos, pad_token_id=(ctx.spec.eos_ids or [0])[0])
     if params.greedy:
         kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
     else:

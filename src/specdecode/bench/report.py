@@ -66,7 +66,8 @@ def markdown(result: dict) -> str:
         f"- command: `{cfg['command']}`",
         f"- target `{cfg['target']}`, draft `{cfg['draft']}`, gamma {cfg['gamma']}, device {cfg['device']}, dtype {cfg['dtype']}",
         f"- suite `{cfg['suite']}` ({cfg['prompts']} prompts from offset {cfg['offset']}), max_new_tokens {cfg['max_new_tokens']}, "
-        f"temperature {cfg['temperature']}, top_k {cfg['top_k']}, top_p {cfg['top_p']}",
+        f"temperature {cfg['temperature']}, top_k {cfg['top_k']}, top_p {cfg['top_p']}"
+        + (", ignore_eos (every answer max_new_tokens long)" if cfg.get("ignore_eos") else ""),
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),

@@ -87,6 +87,7 @@ def parse(body: object, chat: bool, served_model: str, default_max_tokens: int =
             max_new_tokens=max_tokens,
             stop=tuple(stop or ()),
             seed=_typed(body, "seed", (int,), None),
+            ignore_eos=_typed(body, "ignore_eos", (bool,), False),
         )
         if gamma is not None:
             if isinstance(gamma, bool) or not isinstance(gamma, (int, str)):
