@@ -1,5 +1,7 @@
 """Hybrid drafting, adaptive draft length and confidence stops: exact, and the policy's choices."""
 
+import random
+
 import pytest
 import torch
 
@@ -96,6 +98,25 @@ def test_adaptive_drafts_short_when_verification_cost_grows_fast():
     policy = AdaptiveGamma(max_gamma=8)
     chosen = feed(policy, 60, lambda k: k, draft_cost=0.01, pass_cost=lambda m: 0.1 * m)
     assert max(chosen[-10:]) <= 2
+
+
+def test_adaptive_drafts_long_when_acceptance_is_high_but_not_perfect():
+    # 95% per position, a draft token a quarter of a flat target pass: the best length is 7-8.
+    # (A prior that outweighed an observation kept untested-looking deep positions near it.)
+    rng = random.Random(0)
+    policy = AdaptiveGamma(max_gamma=8)
+    chosen = feed(policy, 200, lambda k: next((i for i in range(k) if rng.random() > 0.95), k),
+                  draft_cost=0.016, pass_cost=lambda m: 0.063 + 0.002 * m)
+    assert sum(chosen[-100:]) / 100 >= 6, chosen[-100:]
+
+
+def test_adaptive_stretches_past_a_position_that_stopped_paying_and_recovers():
+    policy = AdaptiveGamma(max_gamma=8)
+    flat = dict(draft_cost=0.016, pass_cost=lambda m: 0.063 + 0.002 * m)
+    before = feed(policy, 60, lambda k: min(k, 3), **flat)  # position 3 (the fourth) always rejected
+    assert 3 in before[-16:] and max(before[-16:]) <= 4  # three tokens (a stretch to four now and then)
+    chosen = feed(policy, 150, lambda k: k, **flat)  # then everything is accepted
+    assert sum(chosen[-20:]) / 20 >= 6, chosen[-40:]
 
 
 def test_gamma_values_are_validated():

@@ -15,6 +15,13 @@ Glossary:
   ``latest_start``; a short answer then never pays for a draft prefill it cannot earn back).
 - *probe back-off*: each probe after which plain decoding still wins doubles the gap to the
   next one (up to ``LONGEST_PROBE_GAP`` plain steps); a step that drafts resets it.
+- *acceptance estimates*: a running (decayed) rate per draft position, conditional on the
+  positions before it being accepted, shrunk towards the position before it (position 0 towards
+  ``prior_acceptance``) with the weight of half an observation: an untested position reads as
+  its predecessor, and a few early rejections do not outweigh what later steps measure.
+- *stretch*: every ``probe_every`` drafting steps the policy drafts one token past its best
+  length, so a position whose estimate went stale (it stopped being drafted after a bad patch)
+  is measured again.
 The estimates carry over from one request to the next on the same engine (a pair's costs and
 typical acceptance are properties of the models and the machine). The choice depends only on past steps, never on the current step's random draws, so the output
 distribution stays exactly the target's.
@@ -26,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 
 
-PRIOR_WEIGHT = 0.2  # the prior counts as a fraction of one observation
+PRIOR_OBSERVATIONS = 0.5  # a position's prior weighs half of one observation
 LONGEST_PROBE_GAP = 64
 
 
@@ -57,35 +64,36 @@ class AdaptiveGamma:
     latest_start: int = 64  # the longest deferral, also while drafting does not pay (so it is re-tested)
     prior_acceptance: float = 0.6
     # running state
-    accept_weight: list[float] = field(default_factory=list)  # [max_gamma]
-    draft_weight: list[float] = field(default_factory=list)  # [max_gamma]
+    accept_weight: list[float] = field(default_factory=list)  # [max_gamma] decayed accepted counts
+    draft_weight: list[float] = field(default_factory=list)  # [max_gamma] decayed drafted counts
     draft_cost: float | None = None  # seconds per drafted token (mean)
     draft_fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed sums: n, k, k^2, y, k*y
     pass_cost: dict[int, float] = field(default_factory=dict)  # tokens scored -> seconds
     plain_steps: int = 0
     probe_gap: int = 0  # plain steps between probes now (0: probe_every)
     start_cost: float | None = None  # seconds per context token of a drafter start (mean)
-
-    observed: list[bool] = field(default_factory=list)  # [max_gamma]: has this position been tested
+    drafting_steps: int = 0  # drafting steps since the last stretch
 
     def __post_init__(self) -> None:
-        self.accept_weight = [self.prior_acceptance * PRIOR_WEIGHT] * self.max_gamma
-        self.draft_weight = [PRIOR_WEIGHT] * self.max_gamma
-        self.observed = [False] * self.max_gamma
+        self.accept_weight = [0.0] * self.max_gamma
+        self.draft_weight = [0.0] * self.max_gamma
+
+    def acceptances(self) -> list[float]:
+        """Estimated acceptance per draft position (glossary: acceptance estimates)."""
+        prior_weight = PRIOR_OBSERVATIONS * (1 - self.decay)  # one observation adds 1 - decay
+        out, prior = [], self.prior_acceptance
+        for accepted, drafted in zip(self.accept_weight, self.draft_weight):
+            prior = (accepted + prior_weight * prior) / (drafted + prior_weight)
+            out.append(prior)
+        return out
 
     def acceptance(self, position: int) -> float:
-        """Running estimate; an untested position borrows the deepest tested one's (optimism
-        that makes the policy try longer drafts instead of settling on the prior)."""
-        if not self.observed[position]:
-            deeper = [i for i in range(position) if self.observed[i]]
-            if deeper:
-                return self.acceptance(deeper[-1])
-        return self.accept_weight[position] / self.draft_weight[position]
+        return self.acceptances()[position]
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, acceptances: list[float] | None = None) -> float:
         total, survive = 1.0, 1.0
-        for i in range(k):
-            survive *= self.acceptance(i)
+        for a in (acceptances or self.acceptances())[:k]:
+            survive *= a
             total += survive
         return total
 
@@ -122,6 +130,11 @@ class AdaptiveGamma:
         if self.draft_cost is None:
             return min(cap, 2)  # then a short draft
         best_k, _ = self._best(cap)
+        if best_k > 0:
+            self.drafting_steps += 1
+            if best_k < cap and self.drafting_steps >= self.probe_every:
+                self.drafting_steps = 0
+                best_k += 1  # the stretch (glossary)
         if best_k == 0:
             self.plain_steps += 1
             if self.plain_steps >= (self.probe_gap or self.probe_every):
@@ -135,9 +148,10 @@ class AdaptiveGamma:
 
     def _best(self, cap: int) -> tuple[int, float]:
         """(k, tokens per second) of the best draft length up to cap; k = 0 is a plain step."""
-        best_k, best_rate = 0, self.expected_tokens(0) / self.pass_cost[1]
+        best_k, best_rate = 0, 1.0 / self.pass_cost[1]
+        acceptances = self.acceptances()
         for k in range(1, cap + 1):
-            rate = self.expected_tokens(k) / (self.draft_seconds(k) + self._pass_seconds(k + 1))
+            rate = self.expected_tokens(k, acceptances) / (self.draft_seconds(k) + self._pass_seconds(k + 1))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate
@@ -171,6 +185,5 @@ class AdaptiveGamma:
         for i in range(drafted):
             self.accept_weight[i] = self.decay * self.accept_weight[i] + (1 - self.decay) * float(i < accepted)
             self.draft_weight[i] = self.decay * self.draft_weight[i] + (1 - self.decay)
-            self.observed[i] = True
             if i >= accepted:
                 break  # positions after the first rejection were not tested
