@@ -12,7 +12,7 @@ same generator with no draft.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 import torch
@@ -240,10 +240,9 @@ class SpeculativeGenerator:
             spec = item if isinstance(item, dict) else {"prompt": item}
             if "prompt" not in spec:
                 raise SpecDecodeError(f"prompt {i}: missing 'prompt'", field="prompt")
-            row_params = SamplingParams(
-                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, stop=params.stop,
-                max_new_tokens=spec.get("max_new_tokens", params.max_new_tokens),
-                seed=spec.get("seed", None if params.seed is None else params.seed + i), ignore_eos=params.ignore_eos,
+            row_params = replace(
+                params, max_new_tokens=spec.get("max_new_tokens", params.max_new_tokens),
+                seed=spec.get("seed", None if params.seed is None else params.seed + i),
             )
             ids = self.encode(spec["prompt"], chat)
             self.engine.check_fits(len(ids), row_params.max_new_tokens)

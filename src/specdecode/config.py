@@ -9,7 +9,7 @@ Glossary:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import SpecDecodeError
 
@@ -80,8 +80,7 @@ class SamplingParams:
 
     def warmup(self, max_new_tokens: int) -> "SamplingParams":
         """The same sampling settings for a short warm-up run, no stop strings."""
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              max_new_tokens=max_new_tokens, seed=self.seed, ignore_eos=self.ignore_eos)
+        return replace(self, max_new_tokens=max_new_tokens, stop=())
 
     @property
     def greedy(self) -> bool:

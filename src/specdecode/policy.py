@@ -92,7 +92,7 @@ class AdaptiveGamma:
 
     def expected_tokens(self, k: int, acceptances: list[float] | None = None) -> float:
         total, survive = 1.0, 1.0
-        for a in (acceptances or self.acceptances())[:k]:
+        for a in (self.acceptances() if acceptances is None else acceptances)[:k]:
             survive *= a
             total += survive
         return total

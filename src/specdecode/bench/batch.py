@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..config import SamplingParams
-from .methods import BenchContext, _cut_at_eos
+from .methods import BenchContext, _cut_at_eos, hf_generate_kwargs
 
 BATCH_METHODS = ("ar", "draft", "ngram", "hybrid", "hf")
 
@@ -47,14 +47,8 @@ def _ours(gen, encoded: list[list[int]], params: SamplingParams, batch_size: int
 def _hf(ctx: BenchContext, encoded: list[list[int]], params: SamplingParams, batch_size: int) -> dict:
     model = ctx.spec.target.model
     device = next(model.parameters()).device
-    eos = params.stopping_ids(ctx.spec.eos_ids)  # transformers stops on none for [], on the model's own for None
-    pad = (ctx.spec.eos_ids or [0])[0]
-    kwargs = dict(max_new_tokens=params.max_new_tokens, eos_token_id=eos, pad_token_id=pad)
-    if params.greedy:
-        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-    else:
-        kwargs.update(do_sample=True, temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p)
-        torch.manual_seed(params.seed if params.seed is not None else 0)
+    kwargs = hf_generate_kwargs(ctx, params)
+    eos, pad = set(kwargs["eos_token_id"]), kwargs["pad_token_id"]
     tokens: list[list[int]] = []
     ctx.sync()
     t0 = time.perf_counter()
@@ -68,7 +62,7 @@ def _hf(ctx: BenchContext, encoded: list[list[int]], params: SamplingParams, bat
             mask[j, width - len(p) :] = 1
         with torch.inference_mode():
             out = model.generate(ids.to(device), attention_mask=mask.to(device), **kwargs)
-        tokens.extend(_cut_at_eos(row[width:].tolist(), set(eos)) for row in out)
+        tokens.extend(_cut_at_eos(row[width:].tolist(), eos) for row in out)
     ctx.sync()
     return {"tokens": tokens, "wall_seconds": time.perf_counter() - t0}
 

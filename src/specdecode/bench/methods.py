@@ -88,18 +88,25 @@ def run_ar(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams) -> 
     return METHODS["ar"](ctx, prompt_ids, params)
 
 
-def _hf(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams, **extra) -> MethodRun:
-    model = ctx.spec.target.model
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt_ids], device=device)
-    eos = params.stopping_ids(ctx.spec.eos_ids)  # transformers stops on none for [], on the model's own for None
-    kwargs = dict(max_new_tokens=params.max_new_tokens, eos_token_id=eos, pad_token_id=(ctx.spec.eos_ids or [0])[0])
+def hf_generate_kwargs(ctx: BenchContext, params: SamplingParams) -> dict:
+    """transformers ``generate`` settings for these sampling params; seeds its global RNG."""
+    kwargs = dict(max_new_tokens=params.max_new_tokens,
+                  eos_token_id=params.stopping_ids(ctx.spec.eos_ids),  # [] stops on nothing (None: the model's own)
+                  pad_token_id=(ctx.spec.eos_ids or [0])[0])
     if params.greedy:
         kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
     else:
         kwargs.update(do_sample=True, temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p)
         # transformers samples from the global RNG; seeding it is the only way to make its runs repeatable
         torch.manual_seed(params.seed if params.seed is not None else 0)
+    return kwargs
+
+
+def _hf(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams, **extra) -> MethodRun:
+    model = ctx.spec.target.model
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    kwargs = hf_generate_kwargs(ctx, params)
     ctx.sync()
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -107,7 +114,7 @@ def _hf(ctx: BenchContext, prompt_ids: list[int], params: SamplingParams, **extr
     ctx.sync()
     wall = time.perf_counter() - t0
     tokens = out[0, len(prompt_ids):].tolist()
-    return MethodRun(_cut_at_eos(tokens, set(eos)), wall)
+    return MethodRun(_cut_at_eos(tokens, set(kwargs["eos_token_id"])), wall)
 
 
 def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
