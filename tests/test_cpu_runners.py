@@ -326,6 +326,10 @@ def test_requantized_llamacpp_draft_is_cached_smaller_and_close_to_the_source(tm
     source = str(packs.ensure_assembled(DRAFT_PACK, progress=False))
     path = requantized_gguf(source, "q4_0", tmp_path)
     assert os.path.getsize(path) < 0.9 * os.path.getsize(source)  # Q4_0 blocks: 4.5 bits a weight
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    kinds = {t.name: t.tensor_type for t in GGUFReader(path).tensors}
+    assert kinds["output.weight"] == kinds["blk.0.ffn_up.weight"] == GGMLQuantizationType.Q4_0  # the head too
     written = os.path.getmtime(path)
     assert requantized_gguf(source, "q4_0", tmp_path) == path and os.path.getmtime(path) == written  # cached
     full, requantized = LlamaCppRunner(source, n_ctx=256), LlamaCppRunner(path, n_ctx=256)
