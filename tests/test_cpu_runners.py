@@ -81,6 +81,23 @@ def test_per_token_linear_is_close_to_float_and_row_independent():
     assert ((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max() < 0.03
 
 
+
+def test_fixed_token_quantisation_equals_the_dynamic_kernel_on_an_anchored_block():
+    """The fixed scale and zero point are what fbgemm's dynamic linear picks for a block spanning
+    -1..+1, so each token gives the same integers as when an anchor row forces that range."""
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(128, 200)
+    q = PerTokenInt8Linear(linear)
+    x = torch.randn(12, 128)
+    x[2] *= 1e4  # an outlier row
+    x[5] = 0.0  # a zero row
+    x[7, 3] = -100.0  # a row whose extreme is negative
+    amax = x.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+    block = torch.cat([torch.tensor([[-1.0, 1.0] + [0.0] * 126]), x / amax])
+    anchored = torch.ops.quantized.linear_dynamic(block, q._packed, False)[1:] * amax + linear.bias.detach()
+    assert torch.equal(q.rows(x), anchored)
+
+
 def biased_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
