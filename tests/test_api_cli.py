@@ -165,7 +165,8 @@ def test_bad_draft_settings_via_api_fail_before_loading(saved):
     from specdecode.errors import SpecDecodeError
 
     for settings, message in (({"draft_quant": "q2_k"}, "draft_quant must be one of source, q4_0, q8_0"),
-                              ({"draft_vocab": 0}, "draft_vocab must be a positive number")):
+                              ({"draft_vocab": 0}, "draft_vocab must be a positive number"),
+                              ({"draft_prefill": "gpu"}, "draft_prefill must be one of int8, llamacpp")):
         with pytest.raises(SpecDecodeError, match=message):
             SpeculativeGenerator.from_pretrained(str(saved / "target"), str(saved / "draft"), **settings)
 

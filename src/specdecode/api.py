@@ -18,7 +18,8 @@ from typing import Iterator, Sequence
 import torch
 
 from . import models, packs
-from .config import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, SamplingParams, SpecConfig, check_draft_quant
+from .config import (DEFAULT_DRAFT_PREFILL, DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, SamplingParams, SpecConfig,
+                     check_draft_prefill, check_draft_quant)
 from .drafters import ModelDrafter
 from .drafters.hybrid import HybridDrafter
 from .drafters.ngram import NgramDrafter
@@ -134,6 +135,7 @@ class SpeculativeGenerator:
         draft_runner: str = "auto",
         draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
         draft_quant: str = DEFAULT_DRAFT_QUANT,
+        draft_prefill: str = DEFAULT_DRAFT_PREFILL,
         progress: bool = True,
     ) -> "SpeculativeGenerator":
         """runner / draft_runner: auto, hf (transformers as loaded), int8 (fast batch-invariant CPU
@@ -141,8 +143,11 @@ class SpeculativeGenerator:
         draft_vocab: token ids a llama.cpp draft scores (the lowest ones plus control tokens;
         None: all); the output is unchanged either way, only the draft's cost and acceptance move.
         draft_quant: the weights a llama.cpp draft runs ('source', or a cached copy llama.cpp
-        requantizes: 'q4_0', 'q8_0'); again only cost and acceptance move."""
+        requantizes: 'q4_0', 'q8_0'); again only cost and acceptance move.
+        draft_prefill: where a llama.cpp draft prefills prompts: 'int8' (the same model on the
+        int8 path, its keys and values copied into llama.cpp; loads that model too) or 'llamacpp'."""
         check_draft_quant(draft_quant)
+        check_draft_prefill(draft_prefill)
         if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 1):
             raise SpecDecodeError(f"draft_vocab must be a positive number of token ids or None, got {draft_vocab!r}",
                                   field="draft_vocab")
@@ -157,7 +162,7 @@ class SpeculativeGenerator:
             kind = "ngram"
         elif draft is not None and draft.lower() != "none":
             loaded_draft = models.load(draft, torch_device, torch_dtype, progress, draft_runner, "draft", draft_vocab,
-                                       draft_quant)
+                                       draft_quant, draft_prefill)
         return cls(loaded_target, loaded_draft, gamma=gamma, drafter=kind, draft_confidence=draft_confidence)
 
     def variant(self, drafter: str | None, gamma: int | str | None = None, draft_confidence: float | None = None):

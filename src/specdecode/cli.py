@@ -11,7 +11,7 @@ import sys
 import time
 
 from . import packs
-from .config import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, DRAFT_QUANTS, parse_draft_vocab
+from .config import DEFAULT_DRAFT_PREFILL, DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, DRAFT_PREFILLS, DRAFT_QUANTS, parse_draft_vocab
 from .errors import SpecDecodeError
 
 
@@ -40,6 +40,11 @@ def _add_model_args(p: argparse.ArgumentParser, draft_default: str | None = pack
                    help="weights a llama.cpp draft runs: 'source' as its GGUF ships, or a copy llama.cpp requantizes to "
                    "q4_0 / q8_0 once and caches (q4_0: a cheaper draft token, slightly lower acceptance; the output "
                    "is unchanged) (default: %(default)s)")
+    p.add_argument("--draft-prefill", default=None, choices=DRAFT_PREFILLS,
+                   help="where a llama.cpp draft prefills a prompt: int8 (the same model on the int8 path, about twice "
+                   "as fast; its keys and values are copied into llama.cpp; loading that model adds about 8 s) or "
+                   f"llamacpp; the output is unchanged either way (default: {DEFAULT_DRAFT_PREFILL}, but llamacpp for "
+                   "a single-prompt generate, where the load costs more than it saves)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64 (default: %(default)s)")
 
@@ -184,9 +189,10 @@ def _drafter_kind(args) -> str | None:
     return args.drafter
 
 
-def _load_generator(args, progress: bool = True, batched: bool = False):
+def _load_generator(args, progress: bool = True, batched: bool = False, one_prompt: bool = False):
     """The generator the model and drafting flags describe (settings are validated before loading).
-    batched: rows are decoded together, so an auto draft runner is one that batches (int8)."""
+    batched: rows are decoded together, so an auto draft runner is one that batches (int8).
+    one_prompt: a single request, so a llama.cpp draft prefills in llama.cpp unless told otherwise."""
     from .api import SpeculativeGenerator
 
     draft_runner = "int8" if batched and args.draft_runner == "auto" and args.device == "cpu" and args.dtype == "float32" else args.draft_runner
@@ -194,8 +200,14 @@ def _load_generator(args, progress: bool = True, batched: bool = False):
         args.target, _draft_reference(args), gamma=_gamma(args.gamma), drafter=_drafter_kind(args),
         draft_confidence=args.draft_confidence, device=args.device, dtype=args.dtype,
         runner=args.runner, draft_runner=draft_runner, draft_vocab=parse_draft_vocab(args.draft_vocab),
-        draft_quant=args.draft_quant, progress=progress,
+        draft_quant=args.draft_quant, draft_prefill=_draft_prefill(args, one_prompt), progress=progress,
     )
+
+
+def _draft_prefill(args, one_prompt: bool = False) -> str:
+    if args.draft_prefill is not None:
+        return args.draft_prefill
+    return "llamacpp" if one_prompt else DEFAULT_DRAFT_PREFILL
 
 
 def read_prompts_file(path: str) -> list[dict]:
@@ -254,7 +266,7 @@ def _generate(args) -> int:
         raise SpecDecodeError("give a prompt (or '-' for standard input, or --prompts-file FILE)", field="prompt")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     t0 = time.perf_counter()
-    gen = _load_generator(args, progress=not args.json)
+    gen = _load_generator(args, progress=not args.json, one_prompt=True)
     if not args.json:
         print(f"[loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr, flush=True)
     stream = gen.stream(prompt, params, chat=args.chat)

@@ -18,6 +18,10 @@ DEFAULT_DRAFT_VOCAB = None  # token ids a llama.cpp draft scores, None: all (see
 # requantizes (see runners.llamacpp.requantized_gguf); q4_0 drafts a token faster than Q4_K_M
 DRAFT_QUANTS = ("source", "q4_0", "q8_0")
 DEFAULT_DRAFT_QUANT = "q4_0"
+# where a llama.cpp draft prefills a prompt: on the int8 path, its keys and values then copied
+# into llama.cpp's cache (see runners.llamacpp), or in llama.cpp itself
+DRAFT_PREFILLS = ("int8", "llamacpp")
+DEFAULT_DRAFT_PREFILL = "int8"
 
 
 def parse_draft_vocab(value) -> int | None:
@@ -36,6 +40,13 @@ def check_draft_quant(value) -> str:
     """--draft-quant: one of DRAFT_QUANTS; a one-line error otherwise."""
     if value not in DRAFT_QUANTS:
         raise SpecDecodeError(f"draft_quant must be one of {', '.join(DRAFT_QUANTS)}, got {value!r}", field="draft_quant")
+    return value
+
+
+def check_draft_prefill(value) -> str:
+    """--draft-prefill: one of DRAFT_PREFILLS; a one-line error otherwise."""
+    if value not in DRAFT_PREFILLS:
+        raise SpecDecodeError(f"draft_prefill must be one of {', '.join(DRAFT_PREFILLS)}, got {value!r}", field="draft_prefill")
     return value
 
 

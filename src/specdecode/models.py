@@ -33,13 +33,15 @@ class LoadedModel:
     tokenizer: object  # transformers tokenizer
     runner: str = "hf"  # hf | int8 | llamacpp
     gguf_path: str | None = None  # for the llamacpp runner
+    prefill_model: object | None = None  # a llamacpp runner's model on the int8 path, for prompt prefills
 
     def make_runner(self):
+        from .runners.hf import HFRunner
+
         if self.runner == "llamacpp":
             from .runners.llamacpp import LlamaCppRunner
 
-            return LlamaCppRunner(self.gguf_path)
-        from .runners.hf import HFRunner
+            return LlamaCppRunner(self.gguf_path, prefill_runner=None if self.prefill_model is None else HFRunner(self.prefill_model))
 
         return HFRunner(self.model)
 
@@ -118,12 +120,11 @@ def resolve(reference: str, progress: bool = True) -> tuple[str, dict]:
 
 def load(reference: str, device: torch.device, dtype: torch.dtype, progress: bool = True,
          runner: str = "hf", role: str = "target", draft_vocab: int | None = None,
-         draft_quant: str = "source") -> LoadedModel:
+         draft_quant: str = "source", draft_prefill: str = "llamacpp") -> LoadedModel:
     """draft_vocab: a llama.cpp draft scores only its lowest ``draft_vocab`` token ids plus the
     control tokens (None: its whole vocabulary); draft_quant: it runs a copy llama.cpp requantized
-    to that type ('source': the GGUF as it is). Other runners ignore both."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    to that type ('source': the GGUF as it is); draft_prefill 'int8': it prefills prompts with the
+    same model on the int8 path (runners.llamacpp glossary). Other runners ignore all three."""
     requested, runner = runner, choose_runner(runner, device, dtype, reference, role)
     if runner == "llamacpp":
         loaded = _load_llamacpp(reference, progress)
@@ -137,6 +138,10 @@ def load(reference: str, device: torch.device, dtype: torch.dtype, progress: boo
                 loaded.gguf_path = requantized_gguf(loaded.gguf_path, draft_quant, packs.cache_dir())
             if draft_vocab is not None:
                 loaded.gguf_path = trimmed_gguf(loaded.gguf_path, draft_vocab, packs.cache_dir())
+            from .runners.int8 import int8_available
+
+            if draft_prefill == "int8" and dtype == torch.float32 and int8_available():
+                loaded.prefill_model = _load_transformers(reference, device, dtype, progress, "int8")[0]
             return loaded
         hint = ('rebuild it with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" '
                 "pip install --force-reinstall --no-cache-dir llama-cpp-python")
@@ -148,6 +153,14 @@ def load(reference: str, device: torch.device, dtype: torch.dtype, progress: boo
         runner = "int8" if dtype == torch.float32 else "hf"
     if runner == "int8" and dtype != torch.float32:
         raise SpecDecodeError("the int8 runner quantises from float32; use --dtype float32", field="dtype")
+    model, tokenizer = _load_transformers(reference, device, dtype, progress, runner)
+    return LoadedModel(reference, model, tokenizer, runner)
+
+
+def _load_transformers(reference: str, device: torch.device, dtype: torch.dtype, progress: bool, runner: str):
+    """(model, tokenizer) through transformers, on the int8 path when runner is 'int8'."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     location, extra = resolve(reference, progress)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **extra)
@@ -163,7 +176,7 @@ def load(reference: str, device: torch.device, dtype: torch.dtype, progress: boo
         from .runners.int8 import prepare_int8
 
         prepare_int8(model)
-    return LoadedModel(reference, model, tokenizer, runner)
+    return model, tokenizer
 
 
 def _load_llamacpp(reference: str, progress: bool) -> LoadedModel:
