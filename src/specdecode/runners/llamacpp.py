@@ -293,8 +293,7 @@ class StateLayout:
         try:
             if struct.unpack_from("<iII", blob, 4) != (0, 1, cells):
                 return None
-            expected = np.array([(i, 1, 0) for i in range(cells)], dtype="<i4")
-            if not np.array_equal(np.frombuffer(blob, dtype="<i4", count=3 * cells, offset=16).reshape(cells, 3), expected):
+            if blob[16 : 16 + 12 * cells] != _cell_records(cells):
                 return None
             offset = 16 + 12 * cells
             v_trans, layers = struct.unpack_from("<II", blob, offset)
@@ -321,12 +320,16 @@ class StateLayout:
         import struct
 
         cells = keys[0].shape[0]
-        parts = [self.magic, struct.pack("<iII", 0, 1, cells), np.array([(i, 1, 0) for i in range(cells)], dtype="<i4").tobytes(),
-                 struct.pack("<II", 0, self.layers)]
+        parts = [self.magic, struct.pack("<iII", 0, 1, cells), _cell_records(cells), struct.pack("<II", 0, self.layers)]
         for rows in list(keys) + list(values):
             half = rows.to(torch.float16).contiguous().numpy()
             parts += [struct.pack("<iQ", self.F16, 2 * half.shape[1]), half.tobytes()]
         return b"".join(parts)
+
+
+def _cell_records(cells: int) -> bytes:
+    """Cells 0..cells-1 of sequence 0: position, one sequence id, that id (int32 each)."""
+    return np.array([(i, 1, 0) for i in range(cells)], dtype="<i4").tobytes()
 
 
 def _cached_rows(runner, cells: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -376,11 +379,13 @@ class LlamaCppRunner:
         found = StateLayout.read(self._state_blob(), probe.shape[1])
         close = False
         if found is not None:
+            layout, theirs = found
             self._prefill_runner.prefill(probe)
-            ours, _ = _cached_rows(self._prefill_runner, probe.shape[1])
-            close = len(ours) == found[0].layers and all(
-                torch.nn.functional.cosine_similarity(a.flatten(), torch.from_numpy(b).flatten(), dim=0) > 0.9
-                for a, b in zip(ours, found[1]))
+            keys, values = _cached_rows(self._prefill_runner, probe.shape[1])
+            close = (len(keys) == layout.layers and all(k.shape[1] == layout.key_width for k in keys)
+                     and all(v.shape[1] == layout.value_width for v in values)
+                     and all(torch.nn.functional.cosine_similarity(k.flatten(), torch.from_numpy(t).flatten(), dim=0) > 0.9
+                             for k, t in zip(keys, theirs)))
         self.reset(1)
         if not close:
             print("specdecode: warning: this llama.cpp build keeps its cache in a layout specdecode does not know; "
