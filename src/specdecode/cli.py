@@ -11,7 +11,7 @@ import sys
 import time
 
 from . import packs
-from .config import DEFAULT_DRAFT_PREFILL, DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, DRAFT_PREFILLS, DRAFT_QUANTS, parse_draft_vocab
+from .config import DEFAULT_DRAFT_PREFILL, DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, DRAFT_PREFILLS, DRAFT_QUANTS, draft_prefill_for, parse_draft_vocab
 from .errors import SpecDecodeError
 
 
@@ -200,14 +200,8 @@ def _load_generator(args, progress: bool = True, batched: bool = False, one_prom
         args.target, _draft_reference(args), gamma=_gamma(args.gamma), drafter=_drafter_kind(args),
         draft_confidence=args.draft_confidence, device=args.device, dtype=args.dtype,
         runner=args.runner, draft_runner=draft_runner, draft_vocab=parse_draft_vocab(args.draft_vocab),
-        draft_quant=args.draft_quant, draft_prefill=_draft_prefill(args, one_prompt), progress=progress,
+        draft_quant=args.draft_quant, draft_prefill=draft_prefill_for(args.draft_prefill, one_prompt), progress=progress,
     )
-
-
-def _draft_prefill(args, one_prompt: bool = False) -> str:
-    if args.draft_prefill is not None:
-        return args.draft_prefill
-    return "llamacpp" if one_prompt else DEFAULT_DRAFT_PREFILL
 
 
 def read_prompts_file(path: str) -> list[dict]:

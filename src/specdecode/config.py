@@ -43,6 +43,14 @@ def check_draft_quant(value) -> str:
     return value
 
 
+def draft_prefill_for(flag: str | None, one_prompt: bool = False) -> str:
+    """--draft-prefill as given, else the default: llamacpp for a single prompt (loading the int8
+    copy of the draft takes longer than it saves on one prompt), int8 otherwise."""
+    if flag is not None:
+        return flag
+    return "llamacpp" if one_prompt else DEFAULT_DRAFT_PREFILL
+
+
 def check_draft_prefill(value) -> str:
     """--draft-prefill: one of DRAFT_PREFILLS; a one-line error otherwise."""
     if value not in DRAFT_PREFILLS:

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import DEFAULT_DRAFT_PREFILL, SamplingParams, SpecConfig, parse_draft_vocab
+from ..config import SamplingParams, SpecConfig, draft_prefill_for, parse_draft_vocab
 from ..errors import SpecDecodeError
 from . import harness, report
 from .methods import METHODS, NEEDS_DRAFT, BenchContext
@@ -33,7 +33,7 @@ def _load(args):
     spec = SpeculativeGenerator.from_pretrained(args.target, args.draft, gamma=args.gamma, device=args.device,
                                                 dtype=args.dtype, runner=args.runner, draft_runner=draft_runner,
                                                 draft_confidence=args.draft_confidence, draft_vocab=parse_draft_vocab(args.draft_vocab),
-                                                draft_quant=args.draft_quant, draft_prefill=args.draft_prefill or DEFAULT_DRAFT_PREFILL)
+                                                draft_quant=args.draft_quant, draft_prefill=draft_prefill_for(args.draft_prefill))
     plain = spec.variant(None)
     ngram = spec.variant("ngram")
     hybrid = spec.variant("hybrid") if spec.draft is not None else None

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 def int8_available() -> bool:
-    return "fbgemm" in torch.backends.quantized.supported_engines and _fixed_scale_linear() is not None
+    return "fbgemm" in torch.backends.quantized.supported_engines and _FIXED_SCALE_LINEAR is not None
 
 
 def _pack(weight: torch.Tensor):
@@ -52,11 +52,6 @@ def _pack(weight: torch.Tensor):
 TOKEN_SCALE, TOKEN_ZERO_POINT = 2.0 / 255.0, 128
 
 
-def _fixed_scale_linear():
-    """fbgemm's linear with a given input scale and zero point and float output, or None."""
-    return getattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None)
-
-
 def _per_token_matmul(packed, rows: torch.Tensor) -> torch.Tensor:
     """rows [M, in] float32 -> [M, out]: each row divided by its absolute maximum, quantised
     with the fixed (TOKEN_SCALE, TOKEN_ZERO_POINT), multiplied in integers and scaled back.
@@ -69,7 +64,8 @@ def _per_token_matmul(packed, rows: torch.Tensor) -> torch.Tensor:
     return _FIXED_SCALE_LINEAR(rows / amax, TOKEN_SCALE, TOKEN_ZERO_POINT, packed).mul_(amax)
 
 
-_FIXED_SCALE_LINEAR = _fixed_scale_linear()
+# fbgemm's linear with a given input scale and zero point and float output (None in a torch without it)
+_FIXED_SCALE_LINEAR = getattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None)
 
 
 def _float_rows(x: torch.Tensor, width: int) -> torch.Tensor:  # [..., width] -> [M, width] float32

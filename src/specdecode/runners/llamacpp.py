@@ -430,8 +430,7 @@ class LlamaCppRunner:
         import llama_cpp
 
         cells = ids.shape[1]
-        if cells > self.max_context:
-            raise SpecDecodeError(f"context of {cells} tokens exceeds the draft's {self.max_context}")
+        self._check_room(cells)
         logits = self._prefill_runner.prefill(ids)
         blob = self._state.blob(*_cached_rows(self._prefill_runner, cells))
         source = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
@@ -452,9 +451,12 @@ class LlamaCppRunner:
         self.llm._ctx.kv_cache_seq_rm(0, keep, -1)
         self._length = keep
 
+    def _check_room(self, new_tokens: int) -> None:
+        if self._length + new_tokens > self.max_context:
+            raise SpecDecodeError(f"context of {self._length + new_tokens} tokens exceeds the draft's {self.max_context}")
+
     def _decode(self, tokens: list[int], all_logits: bool) -> torch.Tensor:
-        if self._length + len(tokens) > self.max_context:
-            raise SpecDecodeError(f"context of {self._length + len(tokens)} tokens exceeds the draft's {self.max_context}")
+        self._check_room(len(tokens))
         if self.vocabulary is not None:
             tokens = self.vocabulary.own_ids(tokens)
         out = []
