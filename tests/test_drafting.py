@@ -1,5 +1,6 @@
 """Hybrid drafting, adaptive draft length and confidence stops: exact, and the policy's choices."""
 
+import math
 import random
 
 import pytest
@@ -129,19 +130,29 @@ def test_gamma_values_are_validated():
     assert SpecConfig(gamma="auto").adaptive and SpecConfig(gamma="4").gamma == 4
 
 
-def test_deferred_start_waits_until_the_saving_covers_the_start_cost():
+def test_deferred_start_pays_for_a_start_only_where_it_can_earn_it_back():
     policy = AdaptiveGamma(max_gamma=8)
-    assert policy.start_after(100) == policy.first_start_after  # nothing measured yet
+    assert policy.start_after(100, 128) == 0  # nothing measured yet: start, and measure
     feed(policy, 40, lambda k: k, draft_cost=0.01, pass_cost=lambda m: 0.1 + 0.002 * m)  # drafting pays
     policy.started(100, 0.2)  # a draft prefill of 2 ms a context token
-    soon, later = policy.start_after(50), policy.start_after(100)
-    assert 1 <= soon < later < policy.latest_start  # the start cost grows with the prompt
+    assert policy.start_after(100, 128) == 0  # no short answers seen: start at once
+    policy.finished(60)
+    assert policy.start_after(100, 128) == 0
+    break_even = math.ceil(0.2 / (0.1 + 0.002 - 1.0 / policy._best(8)[1]))
+    assert 1 <= break_even < 60
+    assert policy.start_after(100, break_even) == break_even  # a budget that cannot earn the start back: never
+    policy.finished(1)  # an answer shorter than the break-even: the ski-rental deferral
+    soon, later = policy.start_after(50, 128), policy.start_after(100, 128)
+    assert 1 <= soon < later == break_even < policy.latest_start  # the start cost grows with the prompt
+    for _ in range(policy.answer_lengths.maxlen):
+        policy.finished(128)
+    assert policy.start_after(100, 128) == 0  # the short answer has left the window
     policy.started(100, 200.0)
-    assert policy.start_after(100) == policy.latest_start  # a start that costs too much waits longest
+    assert policy.start_after(100, 128) == 128  # a start that costs too much never pays
     losing = AdaptiveGamma(max_gamma=8)
     feed(losing, 40, lambda k: 0, draft_cost=0.03, pass_cost=lambda m: 0.1 + 0.005 * m)
     losing.started(100, 0.01)
-    assert losing.start_after(100) == losing.latest_start  # drafting does not pay: start late, re-test
+    assert losing.start_after(100, 128) == losing.latest_start  # drafting does not pay: start late, re-test
 
 
 def test_probe_gap_doubles_while_drafting_does_not_pay():
@@ -164,6 +175,13 @@ class CountingRunner(HFRunner):
         return super().prefill(ids, rows)
 
 
+class StartsAfter(AdaptiveGamma):
+    """The adaptive policy with a fixed deferral (the real one depends on measured times)."""
+
+    def start_after(self, context_tokens, budget):
+        return min(budget, 12)
+
+
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_adaptive_defers_the_draft_prefill_and_stays_exact(pair, batch_size):
     from specdecode.engine import BatchRequest
@@ -171,13 +189,15 @@ def test_adaptive_defers_the_draft_prefill_and_stays_exact(pair, batch_size):
     target, draft = pair
     plain = SpecEngine(HFRunner(target), None, SpecConfig())
     spec = SpecEngine(HFRunner(target), ModelDrafter(CountingRunner(draft)), SpecConfig(gamma="auto"))
+    spec.policy = StartsAfter(max_gamma=8)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, VOCAB, (1, n), generator=g) for n in (9, 5, 12, 7)]
-    short = SamplingParams(max_new_tokens=spec.policy.first_start_after)
+    short = SamplingParams(max_new_tokens=12)
     CountingRunner.prefills = 0
     for prompt in prompts:  # answers no longer than the deferral: the draft model never runs
         assert [t for s in spec.generate(prompt, short) for t in s.tokens] == [t for s in plain.generate(prompt, short) for t in s.tokens]
     assert CountingRunner.prefills == 0
+    assert list(spec.policy.answer_lengths) == [12] * 4  # the engine reports each answer's length
     params = SamplingParams(max_new_tokens=60)
     alone = [[t for s in plain.generate(p, params) for t in s.tokens] for p in prompts]
     requests = [BatchRequest(p[0].tolist(), 60, torch.Generator().manual_seed(0)) for p in prompts]

@@ -183,7 +183,7 @@ class TrimmedVocabulary:
 
 
 class DeferredStart(FixedGamma):
-    def start_after(self, context_tokens: int) -> int:
+    def start_after(self, context_tokens: int, budget: int) -> int:
         return 1
 
 
@@ -206,7 +206,7 @@ def test_other_drafting_modes_sample_the_target_joint(variant):
         drafter, config = ModelDrafter(draft, min_confidence=0.4), SpecConfig(gamma=GAMMA)
     engine = SpecEngine(target, drafter, config)
     if variant == "adaptive":  # the drafter starts with the request (tiny models: no deferral to measure)
-        engine.policy.first_start_after = engine.policy.latest_start = 0
+        engine.policy.start_after = lambda context_tokens, budget: 0
     elif variant == "deferred-start":  # the drafter starts after the first plain token, then drafts every step
         engine.policy = DeferredStart(GAMMA)
     tv, threshold, p_value, outside = compare(exact_joint(target, params), sample_engine(engine, params, SAMPLES), SAMPLES)

@@ -234,7 +234,7 @@ class SpecEngine:
                 cache_all_but_last(self.target, torch.tensor([ids]))
             slots[slot] = row = _Slot(index, request, ids, t0, drafting=False)
             if self.drafter is not None:
-                row.start_after = self.policy.start_after(len(ids))
+                row.start_after = self.policy.start_after(len(ids), request.max_new_tokens)
                 if row.start_after == 0:
                     start_drafter(slot, row)
             self._sync()
@@ -289,6 +289,8 @@ class SpecEngine:
                     if finish is None and row.request.cancelled:
                         finish = "stop"
                     if finish is not None:
+                        if not row.request.cancelled:
+                            self.policy.finished(row.request.stats.new_tokens)
                         slots[slot] = None
                         if queue:
                             admit(slot)

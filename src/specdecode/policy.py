@@ -8,11 +8,18 @@ Glossary:
   measured cost of a target pass over m tokens. k = 0 is a plain decoding step; while it wins the
   policy stays plain and probes with a short draft every ``probe_every`` steps, so a request where
   drafting does not pay runs at about plain speed.
-- *deferred start* (adaptive only): a request decodes plainly until the time drafting would have
-  saved so far covers the drafter's one-off start (a draft model's prompt prefill): the
-  ski-rental rule. Start after n plain tokens, where n = start cost / saving per token, both
-  measured on earlier requests (``first_start_after`` before anything is measured, at most
-  ``latest_start``; a short answer then never pays for a draft prefill it cannot earn back).
+- *deferred start* (adaptive only): when a drafter's one-off start (a draft model's prompt
+  prefill) is worth paying. Its break-even is n = start cost / time saved per drafted token, both
+  measured on earlier requests. A request whose budget is at most n never starts the drafter (it
+  could not earn the start back); one arriving while drafting does not pay starts at
+  ``latest_start`` (a re-test). Otherwise the drafter starts with the request, unless one of the
+  last ``RECENT_ANSWERS`` answers on this engine ended within n tokens: then answers here are
+  short enough for the start to lose, and the request decodes n plain tokens first (the ski-rental
+  rule: an answer that ends within n tokens never pays for the start, a longer one loses at most
+  twice what the start costs).
+  A deferral costs every long answer n plain tokens, which is why it is not the default: starting
+  at once loses only on answers shorter than n (about 9 tokens with the default pair). With
+  nothing measured yet the drafter starts at once, and the first request measures the costs.
 - *probe back-off*: each probe after which plain decoding still wins doubles the gap to the
   next one (up to ``LONGEST_PROBE_GAP`` plain steps); a step that drafts resets it.
 - *acceptance estimates*: a running (decayed) rate per draft position, conditional on the
@@ -30,11 +37,13 @@ distribution stays exactly the target's.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 
 PRIOR_OBSERVATIONS = 0.5  # a position's prior weighs half of one observation
 LONGEST_PROBE_GAP = 64
+RECENT_ANSWERS = 8  # answer lengths the deferred start looks back on
 
 
 class FixedGamma:
@@ -48,10 +57,13 @@ class FixedGamma:
     def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         pass
 
-    def start_after(self, context_tokens: int) -> int:
+    def start_after(self, context_tokens: int, budget: int) -> int:
         return 0  # a fixed draft length starts drafting at once
 
     def started(self, context_tokens: int, seconds: float) -> None:
+        pass
+
+    def finished(self, new_tokens: int) -> None:
         pass
 
 
@@ -60,8 +72,7 @@ class AdaptiveGamma:
     max_gamma: int = 8
     probe_every: int = 8
     decay: float = 0.9  # weight of the past in the running estimates
-    first_start_after: int = 16  # plain tokens before a drafter start while no cost is measured
-    latest_start: int = 64  # the longest deferral, also while drafting does not pay (so it is re-tested)
+    latest_start: int = 64  # the start while drafting does not pay (so it is re-tested)
     prior_acceptance: float = 0.6
     # running state
     accept_weight: list[float] = field(default_factory=list)  # [max_gamma] decayed accepted counts
@@ -73,6 +84,7 @@ class AdaptiveGamma:
     probe_gap: int = 0  # plain steps between probes now (0: probe_every)
     start_cost: float | None = None  # seconds per context token of a drafter start (mean)
     drafting_steps: int = 0  # drafting steps since the last stretch
+    answer_lengths: deque = field(default_factory=lambda: deque(maxlen=RECENT_ANSWERS))  # new tokens of recent requests
 
     def __post_init__(self) -> None:
         self.accept_weight = [0.0] * self.max_gamma
@@ -156,21 +168,30 @@ class AdaptiveGamma:
                 best_k, best_rate = k, rate
         return best_k, best_rate
 
-    def start_after(self, context_tokens: int) -> int:
-        """Plain tokens a request decodes before its drafter starts (deferred start, glossary)."""
+    def start_after(self, context_tokens: int, budget: int) -> int:
+        """Plain tokens a request with this budget decodes before its drafter starts (glossary:
+        deferred start); budget or more means never."""
         if self.start_cost is None or self.draft_cost is None or 1 not in self.pass_cost:
-            return self.first_start_after
-        plain = self.pass_cost[1]  # seconds per token without drafting
+            return 0  # nothing measured: start, and measure
         best_k, rate = self._best(self.max_gamma)
-        saving = plain - 1.0 / rate  # seconds saved per token while drafting
+        saving = self.pass_cost[1] - 1.0 / rate  # seconds saved per token while drafting
         if best_k == 0 or saving <= 0:
             return self.latest_start
-        return min(self.latest_start, math.ceil(self.start_cost * context_tokens / saving))
+        break_even = math.ceil(self.start_cost * context_tokens / saving)
+        if budget <= break_even:
+            return budget
+        if any(n <= break_even for n in self.answer_lengths):
+            return min(self.latest_start, break_even)
+        return 0
 
     def started(self, context_tokens: int, seconds: float) -> None:
         """A drafter start over context_tokens took this long."""
         per_token = seconds / max(1, context_tokens)
         self.start_cost = per_token if self.start_cost is None else self.decay * self.start_cost + (1 - self.decay) * per_token
+
+    def finished(self, new_tokens: int) -> None:
+        """A request ended after new_tokens (read by the deferred start)."""
+        self.answer_lengths.append(new_tokens)
 
     def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         m = drafted + 1
