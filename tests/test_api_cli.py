@@ -77,6 +77,19 @@ def test_streamed_chunks_add_up_to_the_result(generators):
         assert all(c.finish_reason is None for c in chunks[:-1])
 
 
+def test_a_per_request_gamma_keeps_its_engine_and_confidence_stop(generators):
+    spec, plain = generators
+    ref = plain.generate("hello world", max_new_tokens=40)
+    first = spec.generate("hello world", max_new_tokens=40, gamma="auto")
+    engine = spec._engine_for("auto")
+    assert engine is not spec.engine and engine.config.stop_confidence == 0.7
+    assert engine.policy.answer_lengths and engine.policy.pass_cost  # the request's measurements stay
+    again = spec.generate("hello world", max_new_tokens=40, gamma="auto")
+    assert spec._engine_for("auto") is engine and len(engine.policy.answer_lengths) == 2
+    assert first.token_ids == again.token_ids == ref.token_ids
+    assert spec._engine_for(4) is spec.engine  # the generator's own setting
+
+
 def test_chat_template_is_applied(generators):
     spec, _ = generators
     assert spec.encode("hi", chat=True) == spec.tokenizer.encode("<user>hi\n<assistant>", add_special_tokens=False)
@@ -127,6 +140,7 @@ def test_cli_streams_text_then_a_stats_line(saved):
         (["--draft-vocab", "0"], "--draft-vocab must be a positive number"),
         (["--draft-vocab", "half"], "--draft-vocab must be a positive number"),
         (["--draft-quant", "q2_k"], "argument --draft-quant: invalid choice"),
+        (["--draft-confidence", "1.5"], "draft_confidence must be in [0, 1)"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_nonzero(saved, flags, message, capsys):

@@ -104,13 +104,13 @@ def test_other_drafters_in_a_batch_stay_exact(pair, greedy_reference, kind):
     prompts = [p + p[:6] for p in prompts]  # repeats, so lookups fire
     plain = SpecEngine(HFRunner(target), None, SpecConfig())
     reference = [run_alone(plain, p, SamplingParams(), m) for p, m in zip(prompts, budgets(8))]
-    config = SpecConfig(gamma="auto") if kind == "auto" else SpecConfig(gamma=4)
+    config = SpecConfig(gamma="auto") if kind == "auto" else SpecConfig(gamma=4, draft_confidence=0.5 if kind == "confidence" else None)
     if kind == "ngram":
         drafter = NgramDrafter(VOCAB, max_n=3)
     elif kind == "hybrid":
         drafter = HybridDrafter(ModelDrafter(HFRunner(draft)), NgramDrafter(VOCAB, max_n=3), min_lookup=2)
     else:
-        drafter = ModelDrafter(HFRunner(draft), min_confidence=0.5 if kind == "confidence" else 0.0)
+        drafter = ModelDrafter(HFRunner(draft))
     out, _, _, _ = run_batch(SpecEngine(HFRunner(target), drafter, config), prompts, SamplingParams(), 3, budgets(8))
     assert out == reference
 
@@ -238,7 +238,7 @@ def sample_rows_in_batches(engine, params, n):
 def test_a_row_inside_a_batch_samples_the_target_joint():
     params = SamplingParams(temperature=1.0, max_new_tokens=WINDOW)
     target, draft = make_pair()
-    engine = SpecEngine(target, ModelDrafter(draft, min_confidence=0.3), SpecConfig(gamma=GAMMA))
+    engine = SpecEngine(target, ModelDrafter(draft), SpecConfig(gamma=GAMMA, draft_confidence=0.3))
     tv, threshold, p_value, outside = compare(exact_joint(target, params), sample_rows_in_batches(engine, params, SAMPLES), SAMPLES)
     assert outside == 0 and tv < threshold and p_value > P_VALUE_FLOOR, (tv, threshold, p_value)
 
@@ -253,7 +253,7 @@ def accept_every_real_draft(draft_tokens, draft_probs, target_logits, params, ge
 def test_a_broken_verifier_fails_the_batched_test():
     params = SamplingParams(temperature=1.0, max_new_tokens=WINDOW)
     target, draft = make_pair()
-    engine = SpecEngine(target, ModelDrafter(draft, min_confidence=0.3), SpecConfig(gamma=GAMMA), verifier=accept_every_real_draft)
+    engine = SpecEngine(target, ModelDrafter(draft), SpecConfig(gamma=GAMMA, draft_confidence=0.3), verifier=accept_every_real_draft)
     tv, threshold, p_value, _ = compare(exact_joint(target, params), sample_rows_in_batches(engine, params, SAMPLES), SAMPLES)
     assert tv > threshold and p_value < 1e-6, (tv, threshold, p_value)
 

@@ -29,7 +29,7 @@ def pair():
 def drafters(target, draft):
     return {
         "hybrid": lambda: HybridDrafter(ModelDrafter(HFRunner(draft)), NgramDrafter(VOCAB), min_lookup=2),
-        "confidence": lambda: ModelDrafter(HFRunner(draft), min_confidence=0.5),
+        "confidence": lambda: ModelDrafter(HFRunner(draft)),
         "model": lambda: ModelDrafter(HFRunner(draft)),
     }
 
@@ -39,7 +39,8 @@ def drafters(target, draft):
 def test_greedy_identity(pair, kind, gamma):
     target, draft = pair
     plain = SpecEngine(HFRunner(target), None, SpecConfig())
-    spec = SpecEngine(HFRunner(target), drafters(target, draft)[kind](), SpecConfig(gamma=gamma))
+    config = SpecConfig(gamma=gamma, draft_confidence=0.5 if kind == "confidence" else 0.0)
+    spec = SpecEngine(HFRunner(target), drafters(target, draft)[kind](), config)
     g = torch.Generator().manual_seed(2)
     drafted = 0
     for _ in range(10):
@@ -66,9 +67,19 @@ def test_confidence_stop_shortens_drafts(pair):
     target, draft = pair
     stats_all, stats_conf = GenerationStats(), GenerationStats()
     prompt = torch.tensor([[3, 9, 27, 1]])
-    for drafter, stats in ((ModelDrafter(HFRunner(draft)), stats_all), (ModelDrafter(HFRunner(draft), min_confidence=0.9), stats_conf)):
-        list(SpecEngine(HFRunner(target), drafter, SpecConfig(gamma=6)).generate(prompt, SamplingParams(max_new_tokens=40), stats=stats))
+    for confidence, stats in ((None, stats_all), (0.9, stats_conf)):
+        config = SpecConfig(gamma=6, draft_confidence=confidence)
+        list(SpecEngine(HFRunner(target), ModelDrafter(HFRunner(draft)), config).generate(prompt, SamplingParams(max_new_tokens=40), stats=stats))
     assert stats_conf.drafted_tokens / stats_conf.target_forwards < stats_all.drafted_tokens / stats_all.target_forwards
+
+
+def test_the_adaptive_policy_stops_on_confidence_unless_told_otherwise():
+    from specdecode.config import ADAPTIVE_DRAFT_CONFIDENCE
+
+    assert SpecConfig(gamma="auto").stop_confidence == ADAPTIVE_DRAFT_CONFIDENCE
+    assert SpecConfig(gamma="auto", draft_confidence=0.0).stop_confidence == 0.0  # off when asked
+    assert SpecConfig(gamma=5).stop_confidence == 0.0  # a fixed gamma drafts gamma tokens
+    assert SpecConfig(gamma=5, draft_confidence=0.4).stop_confidence == 0.4
 
 
 def feed(policy, steps, accept_rate_fn, draft_cost, pass_cost):

@@ -203,7 +203,7 @@ def test_other_drafting_modes_sample_the_target_joint(variant):
     elif variant == "trimmed-vocabulary":  # the draft never proposes token 2; the target still emits it
         drafter, config = ModelDrafter(TrimmedVocabulary(draft, [0, 1, 3])), SpecConfig(gamma=GAMMA)
     else:
-        drafter, config = ModelDrafter(draft, min_confidence=0.4), SpecConfig(gamma=GAMMA)
+        drafter, config = ModelDrafter(draft), SpecConfig(gamma=GAMMA, draft_confidence=0.4)
     engine = SpecEngine(target, drafter, config)
     if variant == "adaptive":  # the drafter starts with the request (tiny models: no deferral to measure)
         engine.policy.start_after = lambda context_tokens, budget: 0

@@ -83,13 +83,15 @@ class SpeculativeGenerator:
         draft: models.LoadedModel | None = None,
         gamma: int | str = 5,
         drafter: str | None = None,
-        draft_confidence: float = 0.0,
+        draft_confidence: float | None = None,
         runners: tuple | None = None,
     ):
         """runners: (target runner, draft runner) to share with another generator (see ``variant``).
         drafter: "model" (the draft model; the default when one is given), "ngram", "hybrid"
         (n-gram lookup when it finds a continuation, else the draft model) or None (plain).
-        gamma: tokens drafted per step, or "auto" for the adaptive policy."""
+        gamma: tokens drafted per step, or "auto" for the adaptive policy.
+        draft_confidence: stop a draft after a token the draft model gave less than this
+        probability; None: 0.7 with gamma "auto", off with a fixed gamma (config.SpecConfig)."""
         self.target = target
         self.draft = draft
         self.spec_config = SpecConfig(gamma=gamma, draft_confidence=draft_confidence)
@@ -113,12 +115,13 @@ class SpeculativeGenerator:
                     "speculative decoding needs the same tokenizer"
                 )
             self._draft_runner = self._draft_runner or draft.make_runner()
-            self.drafter = ModelDrafter(self._draft_runner, min_confidence=draft_confidence)
+            self.drafter = ModelDrafter(self._draft_runner)
             if kind == "hybrid":
                 self.drafter = HybridDrafter(self.drafter, NgramDrafter(self.target_runner.vocab_size))
         self.drafter_kind = kind
         self._sync = torch.cuda.synchronize if self.target_runner.device.type == "cuda" else None
         self.engine = self._engine(self.spec_config)
+        self._engines: dict[SpecConfig, SpecEngine] = {}  # per-request gammas (stream)
 
     @classmethod
     def from_pretrained(
@@ -128,7 +131,7 @@ class SpeculativeGenerator:
         *,
         gamma: int | str = 5,
         drafter: str | None = None,
-        draft_confidence: float = 0.0,
+        draft_confidence: float | None = None,
         device: str = "cpu",
         dtype: str = "float32",
         runner: str = "auto",
@@ -177,6 +180,15 @@ class SpeculativeGenerator:
     def _engine(self, config: SpecConfig) -> SpecEngine:
         return SpecEngine(self.target_runner, self.drafter, config, sync=self._sync)
 
+    def _engine_for(self, gamma: int | str) -> SpecEngine:
+        """The engine of a per-request gamma, kept so an adaptive one's estimates carry over."""
+        config = SpecConfig(gamma=gamma, draft_confidence=self.spec_config.draft_confidence)
+        if config == self.spec_config:
+            return self.engine
+        if config not in self._engines:
+            self._engines[config] = self._engine(config)
+        return self._engines[config]
+
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         if not isinstance(prompt, str):
             ids = [int(t) for t in prompt]
@@ -204,8 +216,7 @@ class SpeculativeGenerator:
     ) -> GenerationStream:
         """Start a request; iterate the returned stream for text as it is committed."""
         params = params or SamplingParams(**_stop_tuple(sampling))
-        engine = self.engine if gamma is None else self._engine(
-            SpecConfig(gamma=gamma, draft_confidence=self.spec_config.draft_confidence))
+        engine = self.engine if gamma is None else self._engine_for(gamma)
         prompt_ids = self.encode(prompt, chat)
         engine.check_fits(len(prompt_ids), params.max_new_tokens)
         stream = GenerationStream(iter(()))

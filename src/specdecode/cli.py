@@ -11,7 +11,7 @@ import sys
 import time
 
 from . import packs
-from .config import DEFAULT_DRAFT_PREFILL, DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, DRAFT_PREFILLS, DRAFT_QUANTS, draft_prefill_for, parse_draft_vocab
+from .config import ADAPTIVE_DRAFT_CONFIDENCE, DEFAULT_DRAFT_PREFILL, DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, DRAFT_PREFILLS, DRAFT_QUANTS, draft_prefill_for, parse_draft_vocab
 from .errors import SpecDecodeError
 
 
@@ -24,13 +24,14 @@ def _add_model_args(p: argparse.ArgumentParser, draft_default: str | None = pack
     p.add_argument("--target", default=packs.DEFAULT_TARGET, help="target model: pack name, .gguf, directory or hub id (default: %(default)s)")
     p.add_argument("--draft", default=draft_default, help="draft model reference, 'ngram' for prompt lookup, or 'none' for plain decoding (default: %(default)s)")
     p.add_argument("--gamma", default="5", help="tokens drafted per step, or 'auto' to adapt it each step to maximise "
-                   "tokens/s (up to 8; starts each request plainly until drafting would have paid for the draft prefill, "
-                   "and falls back to plain decoding while drafting does not pay) (default: %(default)s)")
+                   "tokens/s (up to 8, with --draft-confidence 0.7; falls back to plain decoding while drafting does not "
+                   "pay, and defers the draft prefill where it would not pay back) (default: %(default)s)")
     p.add_argument("--drafter", default="model", choices=("model", "ngram", "hybrid"),
                    help="model: the draft model; ngram: prompt lookup (no draft model); hybrid: lookup when it finds "
                    "a continuation of 3+ tokens, else the draft model (default: %(default)s)")
-    p.add_argument("--draft-confidence", type=float, default=0.0,
-                   help="stop drafting after a token the draft model gave less than this probability (default: %(default)s = off)")
+    p.add_argument("--draft-confidence", type=float, default=None,
+                   help="stop drafting after a token the draft model gave less than this probability, 0 = off "
+                   f"(default: {ADAPTIVE_DRAFT_CONFIDENCE} with --gamma auto, off with a fixed gamma)")
     p.add_argument("--runner", default="auto", help="target runner: auto, hf or int8 (default: %(default)s; auto = int8 on CPU in float32)")
     p.add_argument("--draft-runner", default="auto", help="draft runner: auto, hf, int8 or llamacpp (default: %(default)s; auto = llamacpp for a GGUF draft when installed with AVX-512 kernels, else int8, on CPU)")
     p.add_argument("--draft-vocab", default="full" if DEFAULT_DRAFT_VOCAB is None else str(DEFAULT_DRAFT_VOCAB),

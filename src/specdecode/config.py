@@ -22,6 +22,10 @@ DEFAULT_DRAFT_QUANT = "q4_0"
 # into llama.cpp's cache (see runners.llamacpp), or in llama.cpp itself
 DRAFT_PREFILLS = ("int8", "llamacpp")
 DEFAULT_DRAFT_PREFILL = "int8"
+# the adaptive policy's confidence stop: a draft model stops drafting after a token it gave less
+# than this probability (greedy A/B on HumanEval 0-9: 0.5 to 0.8 all beat no stop by 5-8%,
+# docs/benchmarks.md section 16); a fixed gamma drafts gamma tokens unless told otherwise
+ADAPTIVE_DRAFT_CONFIDENCE = 0.7
 
 
 def parse_draft_vocab(value) -> int | None:
@@ -111,12 +115,14 @@ class SpecConfig:
     """Engine settings that do not change per token.
 
     gamma: tokens drafted per step, or "auto" for the adaptive policy (up to max_gamma).
-    draft_confidence: a draft model stops drafting after a token it gave less than this probability.
+    draft_confidence: a draft model stops drafting after a token it gave less than this
+    probability; None: ADAPTIVE_DRAFT_CONFIDENCE with the adaptive policy, off with a fixed gamma
+    (``stop_confidence`` is the value in force).
     """
 
     gamma: int | str = 5
     max_gamma: int = 8
-    draft_confidence: float = 0.0
+    draft_confidence: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.gamma, str):
@@ -129,13 +135,21 @@ class SpecConfig:
             raise SpecDecodeError(f"gamma must be an integer >= 1 or 'auto', got {self.gamma!r}", field="gamma")
         if not isinstance(self.max_gamma, int) or not 1 <= self.max_gamma <= 32:
             raise SpecDecodeError(f"max_gamma must be an integer in 1..32, got {self.max_gamma!r}", field="max_gamma")
-        _check_number("draft_confidence", self.draft_confidence)
-        if not 0 <= self.draft_confidence < 1:
+        if self.draft_confidence is not None:
+            _check_number("draft_confidence", self.draft_confidence)
+        if self.draft_confidence is not None and not 0 <= self.draft_confidence < 1:
             raise SpecDecodeError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}", field="draft_confidence")
 
     @property
     def adaptive(self) -> bool:
         return self.gamma == "auto"
+
+    @property
+    def stop_confidence(self) -> float:
+        """The draft probability below which a draft model stops drafting (0: never)."""
+        if self.draft_confidence is not None:
+            return self.draft_confidence
+        return ADAPTIVE_DRAFT_CONFIDENCE if self.adaptive else 0.0
 
     @property
     def longest_draft(self) -> int:

@@ -285,12 +285,12 @@ class SpecEngine:
                     row.request.stats.wall_seconds = time.perf_counter() - row.started
                     batch.new_tokens += len(new_tokens)
                     batch.wall_seconds = time.perf_counter() - started
+                    if finish is not None:  # (before the yield: a consumer may stop at the last step)
+                        self.policy.finished(row.request.stats.new_tokens)
                     yield RowStep(row.index, new_tokens, finish)
                     if finish is None and row.request.cancelled:
                         finish = "stop"
                     if finish is not None:
-                        if not row.request.cancelled:
-                            self.policy.finished(row.request.stats.new_tokens)
                         slots[slot] = None
                         if queue:
                             admit(slot)
@@ -320,7 +320,8 @@ class SpecEngine:
         contexts = [rows[j].context for j in held]
         draft = self.drafter.propose(contexts if slots is not None else torch.tensor(contexts), [limits[j] for j in held],
                                      params, [rows[j].request.generator for j in held],
-                                     rows=None if slots is None else [slots[j] for j in held])
+                                     rows=None if slots is None else [slots[j] for j in held],
+                                     min_confidence=self.config.stop_confidence)
         self._sync()
         return draft if len(held) == len(rows) else _spread(draft, held, len(rows))
 

@@ -26,6 +26,9 @@ Glossary:
   positions before it being accepted, shrunk towards the position before it (position 0 towards
   ``prior_acceptance``) with the weight of half an observation: an untested position reads as
   its predecessor, and a few early rejections do not outweigh what later steps measure.
+- *confidence stop*: within the chosen length a draft model stops after a token it gave less
+  than ``config.SpecConfig.stop_confidence`` (0.7 by default with this policy); the estimates
+  above then measure the positions such drafts reach.
 - *stretch*: every ``probe_every`` drafting steps the policy drafts one token past its best
   length, so a position whose estimate went stale (it stopped being drafted after a bad patch)
   is measured again.

@@ -51,7 +51,10 @@ class Drafter(Protocol):
         params: SamplingParams,
         generators: Sequence[torch.Generator],
         rows: Sequence[int] | None = None,
+        min_confidence: float = 0.0,
     ) -> Draft:
+        """Up to k tokens per row; a drafter with probabilities stops a row after a token it gave
+        less than min_confidence (that token is still proposed)."""
         ...
 
     def commit(self, num_accepted: torch.Tensor, rows: Sequence[int] | None = None) -> None:  # [n]

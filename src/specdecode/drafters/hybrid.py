@@ -40,7 +40,8 @@ class HybridDrafter:
         self.lookup.reset(prompt_ids, rows)
 
     def propose(self, context: Contexts, k: int | Sequence[int], params: SamplingParams,
-                generators: Sequence[torch.Generator], rows: Sequence[int] | None = None) -> Draft:
+                generators: Sequence[torch.Generator], rows: Sequence[int] | None = None,
+                min_confidence: float = 0.0) -> Draft:
         """Per row: the lookup when it finds at least min(k, min_lookup) tokens, else the model."""
         contexts = as_rows(context)
         n = len(contexts)
@@ -58,6 +59,7 @@ class HybridDrafter:
         drafted = self.model.propose(
             [contexts[j] for j in by_model], [limits[j] for j in by_model], params,
             [generators[j] for j in by_model], None if rows is None and n == 1 else [slots[j] for j in by_model],
+            min_confidence,
         )
         if len(by_model) == n:
             return drafted

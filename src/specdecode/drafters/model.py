@@ -19,11 +19,8 @@ from .base import Contexts, Draft, as_rows, padded_draft, per_row
 
 
 class ModelDrafter:
-    def __init__(self, runner: Runner, min_confidence: float = 0.0):
-        """min_confidence: stop drafting a row after a token the draft gave less than this
-        probability (the token itself is still proposed; the decision never depends on later draws)."""
+    def __init__(self, runner: Runner):
         self.runner = runner
-        self.min_confidence = min_confidence
         self.vocab_size = runner.vocab_size
         self._context_lengths: dict[int, int] = {}  # slot -> committed tokens at its last proposal
 
@@ -41,7 +38,10 @@ class ModelDrafter:
         params: SamplingParams,
         generators: Sequence[torch.Generator],
         rows: Sequence[int] | None = None,
+        min_confidence: float = 0.0,
     ) -> Draft:
+        """min_confidence: stop drafting a row after a token the draft gave less than this
+        probability (the token itself is still proposed; the decision never depends on later draws)."""
         contexts = as_rows(context)
         n = len(contexts)
         slots = list(range(n)) if rows is None else [int(r) for r in rows]
@@ -60,7 +60,7 @@ class ModelDrafter:
                 tokens[j].append(int(chosen[i]))
                 if chosen_probs is not None:
                     probs[j].append(chosen_probs[i])
-                if len(tokens[j]) < limits[j] and self._confident(logits[j], chosen[i], None if chosen_probs is None else chosen_probs[i]):
+                if len(tokens[j]) < limits[j] and _confident(min_confidence, logits[j], chosen[i], None if chosen_probs is None else chosen_probs[i]):
                     going.append(j)
             if going:
                 step = torch.tensor([[tokens[j][-1]] for j in going])
@@ -89,13 +89,6 @@ class ModelDrafter:
         out = self.runner.forward(ids, rows=slots, counts=counts)  # [n, width, V]
         return out[torch.arange(len(feeds)), torch.tensor(counts) - 1]
 
-    def _confident(self, logits: torch.Tensor, token: torch.Tensor, prob: torch.Tensor | None) -> bool:
-        """The chosen token has draft probability >= min_confidence. logits [V], token [], prob [V] | None."""
-        if self.min_confidence <= 0:
-            return True
-        dist = prob if prob is not None else torch.softmax(logits.float(), dim=-1)  # [V]
-        return bool(dist[int(token)] >= self.min_confidence)
-
     def commit(self, num_accepted: torch.Tensor, rows: Sequence[int] | None = None) -> None:
         """num_accepted [n]: keep each row's context plus its accepted drafted tokens that are cached."""
         slots = list(range(len(num_accepted))) if rows is None else [int(r) for r in rows]
@@ -111,3 +104,11 @@ class ModelDrafter:
             return choose(logits, params, generators[0])
         picks = [choose(logits[b : b + 1], params, g) for b, g in enumerate(generators)]
         return torch.cat([t for t, _ in picks]), torch.cat([p for _, p in picks])
+
+
+def _confident(min_confidence: float, logits: torch.Tensor, token: torch.Tensor, prob: torch.Tensor | None) -> bool:
+    """The chosen token has draft probability >= min_confidence. logits [V], token [], prob [V] | None."""
+    if min_confidence <= 0:
+        return True
+    dist = prob if prob is not None else torch.softmax(logits.float(), dim=-1)  # [V]
+    return bool(dist[int(token)] >= min_confidence)

@@ -79,6 +79,7 @@ class NgramDrafter:
         params: SamplingParams,
         generators: Sequence[torch.Generator],
         rows: Sequence[int] | None = None,
+        min_confidence: float = 0.0,  # lookups carry no probabilities: unused
     ) -> Draft:
         contexts = as_rows(context)
         slots = range(len(contexts)) if rows is None else rows
