@@ -154,7 +154,7 @@ def test_deferred_start_pays_for_a_start_only_where_it_can_earn_it_back():
     assert policy.start_after(100, break_even) == break_even  # a budget that cannot earn the start back: never
     policy.finished(1)  # an answer shorter than the break-even: the ski-rental deferral
     soon, later = policy.start_after(50, 128), policy.start_after(100, 128)
-    assert 1 <= soon < later == break_even < policy.latest_start  # the start cost grows with the prompt
+    assert 1 <= soon < later == break_even < policy.longest_deferral  # the start cost grows with the prompt
     for _ in range(policy.answer_lengths.maxlen):
         policy.finished(128)
     assert policy.start_after(100, 128) == 0  # the short answer has left the window
@@ -163,7 +163,13 @@ def test_deferred_start_pays_for_a_start_only_where_it_can_earn_it_back():
     losing = AdaptiveGamma(max_gamma=8)
     feed(losing, 40, lambda k: 0, draft_cost=0.03, pass_cost=lambda m: 0.1 + 0.005 * m)
     losing.started(100, 0.01)
-    assert losing.start_after(100, 128) == losing.latest_start  # drafting does not pay: start late, re-test
+    assert losing.choose(remaining=1000) == 1  # a drafter that just started is probed at once
+    # drafting does not pay: requests decode plainly, re-testing at once on every 2nd, 4th, 8th one
+    starts = [losing.start_after(100, 128) for _ in range(30)]
+    assert set(starts) == {0, 128}
+    assert [i for i, s in enumerate(starts) if s == 0] == [0, 2, 6, 14, 22], starts
+    feed(losing, 300, lambda k: k, draft_cost=0.001, pass_cost=lambda m: 0.1 + 0.002 * m)  # drafting pays again
+    assert losing.retest_gap == 1 and losing.start_after(100, 128) == 0
 
 
 def test_probe_gap_doubles_while_drafting_does_not_pay():

@@ -11,15 +11,18 @@ Glossary:
 - *deferred start* (adaptive only): when a drafter's one-off start (a draft model's prompt
   prefill) is worth paying. Its break-even is n = start cost / time saved per drafted token, both
   measured on earlier requests. A request whose budget is at most n never starts the drafter (it
-  could not earn the start back); one arriving while drafting does not pay starts at
-  ``latest_start`` (a re-test). Otherwise the drafter starts with the request, unless one of the
+  could not earn the start back). Otherwise the drafter starts with the request, unless one of the
   last ``RECENT_ANSWERS`` answers on this engine ended within n tokens: then answers here are
   short enough for the start to lose, and the request decodes n plain tokens first (the ski-rental
   rule: an answer that ends within n tokens never pays for the start, a longer one loses at most
-  twice what the start costs).
+  twice what the start costs, and the deferral is at most ``longest_deferral`` tokens).
   A deferral costs every long answer n plain tokens, which is why it is not the default: starting
   at once loses only on answers shorter than n (about 9 tokens with the default pair). With
   nothing measured yet the drafter starts at once, and the first request measures the costs.
+- *re-test*: while drafting does not pay, a request decodes plainly without starting the drafter,
+  except every ``retest_gap``-th one, which starts it with the request and probes at once (its
+  cache is then up to date, so the probe feeds no backlog); the gap doubles after each re-test,
+  up to ``LONGEST_RETEST_GAP`` requests, and returns to 1 once a step drafts because it pays.
 - *probe back-off*: each probe after which plain decoding still wins doubles the gap to the
   next one (up to ``LONGEST_PROBE_GAP`` plain steps); a step that drafts resets it.
 - *acceptance estimates*: a running (decayed) rate per draft position, conditional on the
@@ -45,8 +48,12 @@ from dataclasses import dataclass, field
 
 
 PRIOR_OBSERVATIONS = 0.5  # a position's prior weighs half of one observation
-LONGEST_PROBE_GAP = 64
+# Each probe first feeds the draft model every token decoded since the last one (about 3 ms a
+# token with a llama.cpp draft), so probing costs about 5% of plain speed at any gap; a long
+# losing streak backs off to a probe every few hundred tokens (and re-tests at request starts).
+LONGEST_PROBE_GAP = 256
 RECENT_ANSWERS = 8  # answer lengths the deferred start looks back on
+LONGEST_RETEST_GAP = 8  # requests
 
 
 class FixedGamma:
@@ -75,7 +82,7 @@ class AdaptiveGamma:
     max_gamma: int = 8
     probe_every: int = 8
     decay: float = 0.9  # weight of the past in the running estimates
-    latest_start: int = 64  # the start while drafting does not pay (so it is re-tested)
+    longest_deferral: int = 64  # plain tokens a deferred start waits at most
     prior_acceptance: float = 0.6
     # running state
     accept_weight: list[float] = field(default_factory=list)  # [max_gamma] decayed accepted counts
@@ -88,6 +95,9 @@ class AdaptiveGamma:
     start_cost: float | None = None  # seconds per context token of a drafter start (mean)
     drafting_steps: int = 0  # drafting steps since the last stretch
     answer_lengths: deque = field(default_factory=lambda: deque(maxlen=RECENT_ANSWERS))  # new tokens of recent requests
+    retest_gap: int = 1  # requests from one re-test to the next (glossary: re-test)
+    requests_since_retest: int = 0
+    probe_now: bool = False  # a drafter has just started: probe it on the next step
 
     def __post_init__(self) -> None:
         self.accept_weight = [0.0] * self.max_gamma
@@ -145,7 +155,13 @@ class AdaptiveGamma:
         if self.draft_cost is None:
             return min(cap, 2)  # then a short draft
         best_k, _ = self._best(cap)
+        if self.probe_now:
+            self.probe_now = False
+            if best_k == 0:  # a re-test: probe while the draft's cache is up to date
+                self.plain_steps = 0
+                return 1
         if best_k > 0:
+            self.retest_gap = 1
             self.drafting_steps += 1
             if best_k < cap and self.drafting_steps >= self.probe_every:
                 self.drafting_steps = 0
@@ -178,18 +194,24 @@ class AdaptiveGamma:
             return 0  # nothing measured: start, and measure
         best_k, rate = self._best(self.max_gamma)
         saving = self.pass_cost[1] - 1.0 / rate  # seconds saved per token while drafting
-        if best_k == 0 or saving <= 0:
-            return self.latest_start
+        if best_k == 0 or saving <= 0:  # drafting does not pay: plain, or a re-test (glossary)
+            self.requests_since_retest += 1
+            if self.requests_since_retest < self.retest_gap:
+                return budget
+            self.requests_since_retest = 0
+            self.retest_gap = min(LONGEST_RETEST_GAP, 2 * self.retest_gap)
+            return 0
         break_even = math.ceil(self.start_cost * context_tokens / saving)
         if budget <= break_even:
             return budget
         if any(n <= break_even for n in self.answer_lengths):
-            return min(self.latest_start, break_even)
+            return min(self.longest_deferral, break_even)
         return 0
 
     def started(self, context_tokens: int, seconds: float) -> None:
         """A drafter start over context_tokens took this long."""
         per_token = seconds / max(1, context_tokens)
+        self.probe_now = True
         self.start_cost = per_token if self.start_cost is None else self.decay * self.start_cost + (1 - self.decay) * per_token
 
     def finished(self, new_tokens: int) -> None:
