@@ -137,8 +137,8 @@ class SpecConfig:
             raise SpecDecodeError(f"max_gamma must be an integer in 1..32, got {self.max_gamma!r}", field="max_gamma")
         if self.draft_confidence is not None:
             _check_number("draft_confidence", self.draft_confidence)
-        if self.draft_confidence is not None and not 0 <= self.draft_confidence < 1:
-            raise SpecDecodeError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}", field="draft_confidence")
+            if not 0 <= self.draft_confidence < 1:
+                raise SpecDecodeError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}", field="draft_confidence")
 
     @property
     def adaptive(self) -> bool:

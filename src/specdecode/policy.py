@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 
 
 PRIOR_OBSERVATIONS = 0.5  # a position's prior weighs half of one observation
-# Each probe first feeds the draft model every token decoded since the last one (about 3 ms a
-# token with a llama.cpp draft), so probing costs about 5% of plain speed at any gap; a long
-# losing streak backs off to a probe every few hundred tokens (and re-tests at request starts).
+# A probe first feeds the draft model every token decoded since the last one (about 3 ms a token
+# with a llama.cpp draft, some 5% of a plain step), whatever the gap; so a long losing streak
+# backs off until requests seldom probe at all past the one at a re-test's start (which owes none).
 LONGEST_PROBE_GAP = 256
 RECENT_ANSWERS = 8  # answer lengths the deferred start looks back on
 LONGEST_RETEST_GAP = 8  # requests
