@@ -189,7 +189,8 @@ class AdaptiveGamma:
 
     def start_after(self, context_tokens: int, budget: int) -> int:
         """Plain tokens a request with this budget decodes before its drafter starts (glossary:
-        deferred start); budget or more means never."""
+        deferred start); budget or more means never. Called once per request: while drafting
+        does not pay it counts requests towards the next re-test."""
         if self.start_cost is None or self.draft_cost is None or 1 not in self.pass_cost:
             return 0  # nothing measured: start, and measure
         best_k, rate = self._best(self.max_gamma)
