@@ -6,7 +6,8 @@ Glossary:
 - ``draft-hf``: our engine with the draft as the transformers module hf-assisted gets;
 - ``ngram``: our engine with n-gram prompt lookup (no draft model);
 - ``hybrid``: lookup when it finds a continuation, else the draft model;
-- ``draft-auto``: the draft model with the adaptive draft length (``--gamma auto``);
+- ``draft-auto``: the draft model with the adaptive draft length (``--gamma auto``, which brings
+  the 0.7 confidence stop unless ``--draft-confidence`` is given);
 - ``hf``, ``hf-assisted``, ``hf-lookup``: transformers ``generate`` plain, with the draft as
   ``assistant_model``, and with ``prompt_lookup_num_tokens`` (Hugging Face's defaults otherwise).
 A drafter added later registers its method with ``@register("name")``.
