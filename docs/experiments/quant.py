@@ -1,13 +1,19 @@
 # Measurement script for docs/benchmarks.md section 13 (not part of the package).
 # python quant.py time source,q4_0,q8_0       : llama.cpp draft cost per call (prefill 160, k = 1, 2, 5) per weight format
 # python quant.py ab source,q4_0 OFF LIMIT [T] : one int8 target, one llama.cpp draft per format, rotating order per prompt
+# A format may also be a copy quant_head.py wrote (q4_0h4, q4_0h8: Q4_0 layers, Q4_0 or Q8_0 head).
 import sys, statistics, time, torch
 torch.set_num_threads(2)
 from specdecode import packs
 from specdecode.runners.llamacpp import LlamaCppRunner, requantized_gguf
 kinds = sys.argv[2].split(",")
 src = str(packs.ensure_assembled(packs.get_pack(packs.DEFAULT_DRAFT), progress=False))
-paths = {k: src if k == "source" else requantized_gguf(src, k, packs.cache_dir()) for k in kinds}
+def path(kind):
+    if kind == "source":
+        return src
+    written = packs.cache_dir() / "gguf" / f"exp-{kind}.gguf"  # by quant_head.py
+    return str(written) if written.is_file() else requantized_gguf(src, kind, packs.cache_dir())
+paths = {k: path(k) for k in kinds}
 if sys.argv[1] == "time":
     runs = {k: LlamaCppRunner(p) for k, p in paths.items()}
     ids = torch.randint(0, 30000, (1, 300), generator=torch.Generator().manual_seed(0))
