@@ -102,7 +102,7 @@ def test_suite_errors(tmp_path):
         load_suite("nope")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": 1}\n')
-    with pytest.raises(SpecDecodeError, match="bad.jsonl:1"):
+    with pytest.raises(SpecDecodeError, match="bad.jsonl line 1"):
         load_suite(f"file:{bad}")
     assert len(load_suite("humaneval", limit=3, offset=160)) == 3
     assert load_suite("humaneval-chat", limit=1)[0].chat

@@ -1,18 +1,42 @@
-"""Command line: ``specdecode generate | models`` (argument parsing -> config -> calls).
+"""Command line: ``specdecode generate | bench | tune | serve | models | ...`` (argument parsing -> config -> calls).
 
-Glossary: every user error ends as one line ``specdecode: error: ...`` on stderr and exit 2.
+Glossary: every user error ends as one line ``specdecode: error: ...`` on stderr and exit 2;
+the library's log records (``specdecode.*`` loggers, INFO and up) appear as ``specdecode: ...``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
 from . import packs
+from .bench.suites import read_prompts_file
 from .config import ADAPTIVE_DRAFT_CONFIDENCE, DEFAULT_DRAFT_PREFILL, DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, DRAFT_PREFILLS, DRAFT_QUANTS, draft_prefill_for, parse_draft_vocab
 from .errors import SpecDecodeError
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes each record to the sys.stderr of that moment, as ``specdecode: [level: ]message``."""
+
+    stream = property(lambda self: sys.stderr, lambda self, value: None)
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
+        return f"specdecode: {level}{record.getMessage()}"
+
+
+_LOG_HANDLER = _StderrHandler()
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """The library's ``specdecode.*`` loggers report on stderr from this level up."""
+    logger = logging.getLogger("specdecode")
+    if _LOG_HANDLER not in logger.handlers:
+        logger.addHandler(_LOG_HANDLER)
+    logger.setLevel(level)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt, streaming it")
     gen.add_argument("prompt", nargs="?", help="the prompt text ('-' reads standard input)")
     gen.add_argument("--prompts-file", default=None,
-                     help="JSONL, one object per line: {\"prompt\": ..., optional \"max_new_tokens\", \"seed\", \"id\"}; "
+                     help="JSONL, one object per line: {\"prompt\": ..., optional \"max_new_tokens\", \"seed\", \"id\", \"chat\"}; "
                           "decodes them in batches and prints one JSON object per line, in order")
     gen.add_argument("--batch-size", type=int, default=4,
                      help="rows decoded together with --prompts-file (default: %(default)s; a finished row's slot takes the next prompt)")
@@ -127,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    configure_logging()
     try:
         args = parser.parse_args(argv)
         if args.command == "generate":
@@ -134,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("bench", "tune"):
             from .bench.command import run_command
 
-            return run_command(args, _sampling_from(args), " ".join(["specdecode", *(argv if argv is not None else sys.argv[1:])]))
+            print(run_command(args, _sampling_from(args), " ".join(["specdecode", *(argv if argv is not None else sys.argv[1:])])))
+            return 0
         if args.command == "serve":
             return _serve(args)
         if args.command == "runners":
@@ -205,43 +231,18 @@ def _load_generator(args, progress: bool = True, batched: bool = False, one_prom
     )
 
 
-def read_prompts_file(path: str) -> list[dict]:
-    """JSONL prompts -> dicts with 'prompt' (and optional max_new_tokens, seed, id); one-line errors."""
-    try:
-        lines = open(path, encoding="utf-8").read().splitlines()
-    except OSError as exc:
-        raise SpecDecodeError(f"cannot read prompts file {path}: {exc.strerror}", field="prompts_file") from None
-    items = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            raise SpecDecodeError(f"{path} line {number}: not valid JSON", field="prompts_file") from None
-        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-            raise SpecDecodeError(f"{path} line {number}: expected an object with a string \"prompt\"", field="prompts_file")
-        for key in ("max_new_tokens", "seed"):
-            if key in item and (not isinstance(item[key], int) or isinstance(item[key], bool) or item[key] < (1 if key == "max_new_tokens" else 0)):
-                raise SpecDecodeError(f"{path} line {number}: \"{key}\" must be a {'positive' if key == 'max_new_tokens' else 'non-negative'} integer",
-                                      field="prompts_file")
-        items.append(item)
-    if not items:
-        raise SpecDecodeError(f"{path} holds no prompts", field="prompts_file")
-    return items
-
-
 def _generate_file(args, params) -> int:
     if args.prompt is not None:
         raise SpecDecodeError("give either a prompt or --prompts-file, not both", field="prompt")
     if args.batch_size < 1:
         raise SpecDecodeError("--batch-size must be at least 1", field="batch_size")
-    items = read_prompts_file(args.prompts_file)
+    items = [item for _, item in read_prompts_file(args.prompts_file)]
     t0 = time.perf_counter()
     gen = _load_generator(args, progress=True, batched=args.batch_size > 1)
     print(f"[loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr, flush=True)
-    batch = gen.generate_batch([{k: v for k, v in item.items() if k != "id"} for item in items], params,
-                               batch_size=args.batch_size, chat=args.chat)
+    rows = [{"prompt": gen.encode(item["prompt"], chat=item.get("chat", args.chat)),
+             **{k: item[k] for k in ("max_new_tokens", "seed") if k in item}} for item in items]
+    batch = gen.generate_batch(rows, params, batch_size=args.batch_size)
     for index, (item, result) in enumerate(zip(items, batch.results)):
         line = {"index": index, **({"id": item["id"]} if "id" in item else {}), "batch_size": batch.stats.batch_size,
                 **result.to_dict()}
@@ -289,8 +290,6 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    import logging
-
     import uvicorn
 
     from .server.app import create_app
@@ -298,6 +297,7 @@ def _serve(args) -> int:
     if not 0 < args.port < 65536:
         raise SpecDecodeError(f"--port must be in 1..65535, got {args.port}")
     gen = _load_generator(args)
+    logging.getLogger("specdecode").removeHandler(_LOG_HANDLER)  # the server's log lines carry times instead
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(gen, args.model_name or args.target)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from pathlib import Path
 from .errors import SpecDecodeError
 
 CHUNK = 1 << 22
+log = logging.getLogger("specdecode.packs")
 
 
 @dataclass(frozen=True)
@@ -191,8 +193,8 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if progress:
-        print(f"specdecode: converting {gguf_path.name} to safetensors (once; this takes a minute)...", flush=True)
+    log.log(logging.INFO if progress else logging.DEBUG, "converting %s to safetensors (once; this takes a minute)...",
+            gguf_path.name)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

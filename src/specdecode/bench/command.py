@@ -7,6 +7,7 @@ the cost-model calibration and prints the gamma it predicts is best.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from .suites import load_suite
 
 
 DEFAULT_METHODS = "ar,draft,draft-hf,ngram,hf,hf-assisted,hf-lookup"
+log = logging.getLogger("specdecode.bench")
 
 
 def _load(args):
@@ -71,7 +73,7 @@ def parse_batch_sizes(text: str | None) -> list[int]:
     return sizes
 
 
-def run_batch_command(args, params: SamplingParams, command_line: str, has_draft: bool) -> int:
+def run_batch_command(args, params: SamplingParams, command_line: str, has_draft: bool) -> str:
     from tqdm import tqdm
 
     from .batch import BATCH_METHODS, batch_markdown, format_batch_table, run_batch_suite
@@ -96,13 +98,12 @@ def run_batch_command(args, params: SamplingParams, command_line: str, has_draft
         "batch_sizes": args.batch_sizes, "runner": ctx.spec.target.runner,
         "draft_runner": ctx.spec.draft.runner if ctx.spec.draft else None, "draft_gguf": _draft_gguf(ctx),
     }, **batch}
-    print(format_batch_table(batch))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     out.with_suffix(".md").write_text(batch_markdown(batch, command_line))
-    print(f"wrote {out}, {out.with_suffix('.md')}", file=sys.stderr)
-    return 0
+    log.info("wrote %s, %s", out, out.with_suffix(".md"))
+    return format_batch_table(batch)
 
 
 def _draft_gguf(ctx) -> str | None:
@@ -111,7 +112,9 @@ def _draft_gguf(ctx) -> str | None:
     return draft.gguf_path if draft is not None and draft.runner == "llamacpp" else None
 
 
-def run_command(args, params: SamplingParams, command_line: str) -> int:
+def run_command(args, params: SamplingParams, command_line: str) -> str:
+    """Run ``bench`` or ``tune`` as the parsed flags say; -> the text for standard output
+    (files written are logged)."""
     args.gamma = int(args.gamma) if args.gamma.isdigit() else args.gamma
     args.batch_sizes = parse_batch_sizes(getattr(args, "batch_size", None))
     if args.gamma == "auto":
@@ -144,16 +147,16 @@ def run_command(args, params: SamplingParams, command_line: str) -> int:
     if has_draft and not getattr(args, "no_cost_model", False):
         harness.attach_cost_model(result, ctx, prompts, args.gamma)
     result = {"config": result.pop("config"), **result}
-    print(report.format_table(result))
+    table = report.format_table(result)
     if args.command == "tune":
         cm = result.get("cost_model")
         if cm:
-            print(f"recommended: --gamma {cm['best_gamma']} (predicted {cm['best_predicted_speedup']:.2f}x over plain decoding)")
-        return 0
+            table += f"\nrecommended: --gamma {cm['best_gamma']} (predicted {cm['best_predicted_speedup']:.2f}x over plain decoding)"
+        return table
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     out.with_suffix(".md").write_text(report.markdown(result))
     written = report.plots(result, out.parent)
-    print(f"wrote {out}, {out.with_suffix('.md')}, " + ", ".join(str(p) for p in written), file=sys.stderr)
-    return 0
+    log.info("wrote %s", ", ".join(str(p) for p in [out, out.with_suffix(".md"), *written]))
+    return table

