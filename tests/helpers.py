@@ -70,6 +70,12 @@ class TableRunner:
     for the statistical tests. Truncation keeps exactly the committed tokens.
     """
 
+    max_batch = 1 << 20
+
+    @property
+    def supports_batches(self) -> bool:
+        return self.max_batch > 1
+
     def __init__(self, vocab_size: int, seed: int, sharpness: float = 1.5):
         g = torch.Generator().manual_seed(seed)
         self.table = torch.randn(vocab_size, vocab_size, vocab_size, generator=g, dtype=torch.float64) * sharpness
@@ -104,6 +110,12 @@ class TableRunner:
             row.extend(new if counts is None else new[: counts[j]])
         return torch.stack(out)
 
+    def forward_last(self, ids: torch.Tensor, rows=None, counts=None) -> torch.Tensor:
+        """ids [n, S] -> logits [n, V] after each row's last real token."""
+        logits = self.forward(ids, rows=rows, counts=counts)  # [n, S, V]
+        ends = torch.tensor([ids.shape[1]] * ids.shape[0] if counts is None else [int(c) for c in counts]) - 1
+        return logits[torch.arange(ids.shape[0]), ends]
+
     def truncate(self, lengths: torch.Tensor) -> None:
         if any(int(n) > len(row) or int(n) < 0 for row, n in zip(self.tokens, lengths)):
             raise ValueError("cannot grow by truncation")
@@ -112,3 +124,19 @@ class TableRunner:
     def next_logits(self, context: list[int]) -> torch.Tensor:
         prev = context[-2] if len(context) > 1 else 0
         return self.table[prev, context[-1]]
+
+
+def decode(engine, prompt, params, eos_ids=(), generator=None, stats=None):
+    """One request through SpecEngine.generate (a batch of one): its steps, in order.
+
+    prompt: ids [1, T] or a token list; generator: the request's random stream (default: seeded
+    from params.seed, else 0); stats: a GenerationStats to fill."""
+    from specdecode.engine import Request
+    from specdecode.sampling import seeded_generator
+    from specdecode.stats import GenerationStats
+
+    ids = prompt[0].tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+    if generator is None:
+        generator = seeded_generator(0 if params.seed is None else params.seed)
+    request = Request(ids, params.max_new_tokens, generator, stats if stats is not None else GenerationStats())
+    return engine.generate([request], params, eos_ids, batch_size=1)

@@ -12,13 +12,14 @@ from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters import ModelDrafter
 from specdecode.drafters.hybrid import HybridDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.engine import BatchRequest, BatchStats, SpecEngine
+from specdecode.engine import Request, SpecEngine
+from specdecode.stats import BatchStats
 from specdecode.runners.hf import HFRunner
 from specdecode.runners.int8 import int8_available, prepare_int8
 from specdecode.sampling import processed_probs, sample
 from specdecode.verify import VerifyResult
 
-from helpers import perturbed, tiny_model
+from helpers import perturbed, tiny_model, decode
 from test_sampling_statistics import (
     GAMMA, P_VALUE_FLOOR, PROMPT, SAMPLES, VOCAB as TABLE_VOCAB, WINDOW, compare, exact_joint, make_pair,
 )
@@ -38,13 +39,13 @@ def budgets(n: int) -> list[int]:
 def run_batch(engine, prompts, params, batch_size, max_new=None, seeds=None, eos=()):
     max_new = max_new or [params.max_new_tokens] * len(prompts)
     requests = [
-        BatchRequest(p, m, torch.Generator().manual_seed(seeds[i] if seeds else 0))
+        Request(p, m, torch.Generator().manual_seed(seeds[i] if seeds else 0))
         for i, (p, m) in enumerate(zip(prompts, max_new))
     ]
     out = [[] for _ in prompts]
     finish = [None] * len(prompts)
     stats = BatchStats()
-    for step in engine.generate_batch(requests, params, eos, batch_size=batch_size, stats=stats):
+    for step in engine.generate(requests, params, eos, batch_size=batch_size, stats=stats):
         assert finish[step.index] is None, "a finished row produced more tokens"
         out[step.index].extend(step.tokens)
         finish[step.index] = step.finish_reason
@@ -54,7 +55,7 @@ def run_batch(engine, prompts, params, batch_size, max_new=None, seeds=None, eos
 def run_alone(engine, prompt, params, max_new, seed=0, eos=()):
     p = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, max_new_tokens=max_new)
     g = torch.Generator().manual_seed(seed)
-    return [t for s in engine.generate(torch.tensor([prompt]), p, eos_ids=eos, generator=g) for t in s.tokens]
+    return [t for s in decode(engine, torch.tensor([prompt]), p, eos_ids=eos, generator=g) for t in s.tokens]
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +136,10 @@ def test_more_prompts_than_slots_refill_and_cancel(pair, greedy_reference):
     target, draft = pair
     prompts, reference = greedy_reference
     spec = SpecEngine(HFRunner(target), ModelDrafter(HFRunner(draft)), SpecConfig(gamma=3))
-    requests = [BatchRequest(p, m, torch.Generator().manual_seed(0)) for p, m in zip(prompts, budgets(8))]
+    requests = [Request(p, m, torch.Generator().manual_seed(0)) for p, m in zip(prompts, budgets(8))]
     out = [[] for _ in prompts]
     stats = BatchStats()
-    for step in spec.generate_batch(requests, SamplingParams(), batch_size=2, stats=stats):
+    for step in spec.generate(requests, SamplingParams(), batch_size=2, stats=stats):
         out[step.index].extend(step.tokens)
         if step.index == 1 and len(out[1]) >= 5:
             requests[1].cancelled = True  # e.g. a stop string was seen: the slot frees up
@@ -222,11 +223,11 @@ def sample_rows_in_batches(engine, params, n):
     requests, tested = [], []
     for seed in range(n):
         tested.append(len(requests))
-        requests.append(BatchRequest(PROMPT, WINDOW, torch.Generator().manual_seed(seed)))
+        requests.append(Request(PROMPT, WINDOW, torch.Generator().manual_seed(seed)))
         other = OTHERS[seed % len(OTHERS)]
-        requests.append(BatchRequest(other, 1 + seed % 7, torch.Generator().manual_seed(10**6 + seed)))
+        requests.append(Request(other, 1 + seed % 7, torch.Generator().manual_seed(10**6 + seed)))
     out = [[] for _ in requests]
-    for step in engine.generate_batch(requests, params, batch_size=4):
+    for step in engine.generate(requests, params, batch_size=4):
         out[step.index].extend(step.tokens)
     counts = {}
     for i in tested:

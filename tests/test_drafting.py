@@ -10,12 +10,13 @@ from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters import ModelDrafter
 from specdecode.drafters.hybrid import HybridDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.engine import GenerationStats, SpecEngine
+from specdecode.engine import SpecEngine
+from specdecode.stats import GenerationStats
 from specdecode.errors import SpecDecodeError
 from specdecode.policy import AdaptiveGamma
 from specdecode.runners.hf import HFRunner
 
-from helpers import perturbed, tiny_model
+from helpers import perturbed, tiny_model, decode
 
 VOCAB = 48
 
@@ -48,8 +49,8 @@ def test_greedy_identity(pair, kind, gamma):
         prompt = torch.cat([base, base, base[:, :2]], dim=1)
         params = SamplingParams(max_new_tokens=40)
         stats = GenerationStats()
-        out = [t for s in spec.generate(prompt, params, stats=stats) for t in s.tokens]
-        assert out == [t for s in plain.generate(prompt, params) for t in s.tokens]
+        out = [t for s in decode(spec, prompt, params, stats=stats) for t in s.tokens]
+        assert out == [t for s in decode(plain, prompt, params) for t in s.tokens]
         drafted += stats.drafted_tokens
     assert drafted > 0
 
@@ -59,7 +60,7 @@ def test_hybrid_uses_both_sources(pair):
     hybrid = drafters(target, draft)["hybrid"]()
     spec = SpecEngine(HFRunner(target), hybrid, SpecConfig(gamma=4))
     prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2]])
-    list(spec.generate(prompt, SamplingParams(max_new_tokens=40)))
+    list(decode(spec, prompt, SamplingParams(max_new_tokens=40)))
     assert hybrid.lookup_steps > 0 and hybrid.model_steps > 0
 
 
@@ -69,7 +70,7 @@ def test_confidence_stop_shortens_drafts(pair):
     prompt = torch.tensor([[3, 9, 27, 1]])
     for confidence, stats in ((None, stats_all), (0.9, stats_conf)):
         config = SpecConfig(gamma=6, draft_confidence=confidence)
-        list(SpecEngine(HFRunner(target), ModelDrafter(HFRunner(draft)), config).generate(prompt, SamplingParams(max_new_tokens=40), stats=stats))
+        list(decode(SpecEngine(HFRunner(target), ModelDrafter(HFRunner(draft)), config), prompt, SamplingParams(max_new_tokens=40), stats=stats))
     assert stats_conf.drafted_tokens / stats_conf.target_forwards < stats_all.drafted_tokens / stats_all.target_forwards
 
 
@@ -87,7 +88,7 @@ def feed(policy, steps, accept_rate_fn, draft_cost, pass_cost):
     for _ in range(steps):
         k = policy.choose(remaining=1000)
         accepted = accept_rate_fn(k)
-        policy.update(k, accepted, k * draft_cost, pass_cost(k + 1))
+        policy.observe([k], [accepted], k * draft_cost, pass_cost(k + 1))
         chosen.append(k)
     return chosen
 
@@ -149,7 +150,7 @@ def test_deferred_start_pays_for_a_start_only_where_it_can_earn_it_back():
     assert policy.start_after(100, 128) == 0  # no short answers seen: start at once
     policy.finished(60)
     assert policy.start_after(100, 128) == 0
-    break_even = math.ceil(0.2 / (0.1 + 0.002 - 1.0 / policy._best(8)[1]))
+    break_even = math.ceil(0.2 / (0.1 + 0.002 - 1.0 / policy.best(8)[1]))
     assert 1 <= break_even < 60
     assert policy.start_after(100, break_even) == break_even  # a budget that cannot earn the start back: never
     policy.finished(1)  # an answer shorter than the break-even: the ski-rental deferral
@@ -178,9 +179,9 @@ def test_probe_gap_doubles_while_drafting_does_not_pay():
     probes = [i for i, k in enumerate(chosen) if k > 0][1:]  # after the opening short draft
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[0] <= 2 * policy.probe_every + 1 and gaps[-1] > 4 * policy.probe_every, gaps
-    policy.update(1, 1, 0.001, 0.1)  # drafts start paying again: the gap resets
+    policy.observe([1], [1], 0.001, 0.1)  # drafts start paying again: the gap resets
     for _ in range(20):
-        policy.update(2, 2, 0.002, 0.1)
+        policy.observe([2], [2], 0.002, 0.1)
     assert policy.choose(remaining=1000) > 0 and policy.probe_gap == 0
 
 
@@ -201,7 +202,7 @@ class StartsAfter(AdaptiveGamma):
 
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_adaptive_defers_the_draft_prefill_and_stays_exact(pair, batch_size):
-    from specdecode.engine import BatchRequest
+    from specdecode.engine import Request
 
     target, draft = pair
     plain = SpecEngine(HFRunner(target), None, SpecConfig())
@@ -212,14 +213,14 @@ def test_adaptive_defers_the_draft_prefill_and_stays_exact(pair, batch_size):
     short = SamplingParams(max_new_tokens=12)
     CountingRunner.prefills = 0
     for prompt in prompts:  # answers no longer than the deferral: the draft model never runs
-        assert [t for s in spec.generate(prompt, short) for t in s.tokens] == [t for s in plain.generate(prompt, short) for t in s.tokens]
+        assert [t for s in decode(spec, prompt, short) for t in s.tokens] == [t for s in decode(plain, prompt, short) for t in s.tokens]
     assert CountingRunner.prefills == 0
     assert list(spec.policy.answer_lengths) == [12] * 4  # the engine reports each answer's length
     params = SamplingParams(max_new_tokens=60)
-    alone = [[t for s in plain.generate(p, params) for t in s.tokens] for p in prompts]
-    requests = [BatchRequest(p[0].tolist(), 60, torch.Generator().manual_seed(0)) for p in prompts]
+    alone = [[t for s in decode(plain, p, params) for t in s.tokens] for p in prompts]
+    requests = [Request(p[0].tolist(), 60, torch.Generator().manual_seed(0)) for p in prompts]
     got = {i: [] for i in range(len(prompts))}
-    for step in spec.generate_batch(requests, params, batch_size=batch_size):
+    for step in spec.generate(requests, params, batch_size=batch_size):
         got[step.index].extend(step.tokens)
     assert [got[i] for i in range(len(prompts))] == alone
     assert CountingRunner.prefills > 0 and sum(r.stats.drafted_tokens for r in requests) > 0

@@ -5,10 +5,11 @@ import torch
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters import ModelDrafter
-from specdecode.engine import GenerationStats, SpecEngine
+from specdecode.engine import SpecEngine
+from specdecode.stats import GenerationStats
 from specdecode.runners.hf import HFRunner
 
-from helpers import perturbed, tiny_model
+from helpers import perturbed, tiny_model, decode
 
 VOCAB = 96
 
@@ -21,7 +22,7 @@ def models():
 
 def tokens_of(engine, prompt, params, eos=(), generator=None):
     stats = GenerationStats()
-    steps = list(engine.generate(prompt, params, eos_ids=eos, generator=generator, stats=stats))
+    steps = list(decode(engine, prompt, params, eos_ids=eos, generator=generator, stats=stats))
     return [t for s in steps for t in s.tokens], steps, stats
 
 
@@ -87,7 +88,7 @@ def test_caches_hold_exactly_the_committed_tokens_after_every_step(models, tempe
     spec = SpecEngine(target_runner, ModelDrafter(draft_runner), SpecConfig(gamma=4))
     committed = PROMPT[0].tolist()
     rejected_steps = 0
-    for step in spec.generate(PROMPT, SamplingParams(temperature=temperature, max_new_tokens=30, seed=9)):
+    for step in decode(spec, PROMPT, SamplingParams(temperature=temperature, max_new_tokens=30, seed=9)):
         committed += step.tokens
         if step.finish_reason is not None:
             break
@@ -107,7 +108,7 @@ def test_prompt_plus_budget_beyond_context_is_a_clear_error(models):
     target, _ = models
     spec = SpecEngine(HFRunner(target), None, SpecConfig())
     with pytest.raises(SpecDecodeError, match="exceeds the target's context of 256"):
-        list(spec.generate(torch.zeros((1, 250), dtype=torch.long), SamplingParams(max_new_tokens=10)))
+        list(decode(spec, torch.zeros((1, 250), dtype=torch.long), SamplingParams(max_new_tokens=10)))
 
 
 def test_vocabulary_mismatch_is_refused(models):

@@ -5,10 +5,11 @@ import torch
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters import ModelDrafter
-from specdecode.engine import GenerationStats, SpecEngine
+from specdecode.engine import SpecEngine
+from specdecode.stats import GenerationStats
 from specdecode.runners.hf import HFRunner
 
-from helpers import perturbed, tiny_model
+from helpers import perturbed, tiny_model, decode
 
 NEW_TOKENS = 64
 N_PROMPTS = 32
@@ -23,7 +24,7 @@ def prompts():
 
 def run(engine, prompt, params=SamplingParams(max_new_tokens=NEW_TOKENS)):
     stats = GenerationStats()
-    tokens = [t for step in engine.generate(prompt, params, stats=stats) for t in step.tokens]
+    tokens = [t for step in decode(engine, prompt, params, stats=stats) for t in step.tokens]
     return tokens, stats
 
 

@@ -7,10 +7,11 @@ import torch
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.engine import GenerationStats, SpecEngine
+from specdecode.engine import SpecEngine
+from specdecode.stats import GenerationStats
 from specdecode.runners.hf import HFRunner
 
-from helpers import tiny_model
+from helpers import tiny_model, decode
 
 
 def brute_force(tokens, k, min_n, max_n):
@@ -28,25 +29,27 @@ def test_incremental_index_matches_a_full_rescan():
     rng = random.Random(0)
     tokens = [rng.randrange(6) for _ in range(30)]
     drafter = NgramDrafter(vocab_size=6, min_n=1, max_n=3)
-    drafter.reset(torch.tensor([tokens]))
+    drafter.reset(1)
+    drafter.start([0], [tokens])
     for step in range(200):
-        context = torch.tensor([tokens])
-        got = drafter.propose(context, 5, SamplingParams(), [torch.Generator()]).tokens[0].tolist()
+        got = drafter.propose([0], [tokens], [5], SamplingParams(), [torch.Generator()]).tokens[0].tolist()
         assert got == brute_force(tokens, 5, 1, 3), step
         tokens.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
 
 
 def test_no_match_gives_an_empty_draft():
     drafter = NgramDrafter(vocab_size=10, min_n=2, max_n=3)
-    drafter.reset(torch.tensor([[1, 2, 3, 4]]))
-    assert drafter.propose(torch.tensor([[1, 2, 3, 4]]), 4, SamplingParams(), [torch.Generator()]).tokens.shape == (1, 0)
+    drafter.reset(1)
+    drafter.start([0], [[1, 2, 3, 4]])
+    assert drafter.propose([0], [[1, 2, 3, 4]], [4], SamplingParams(), [torch.Generator()]).tokens.shape == (1, 0)
 
 
 def test_repeated_text_is_proposed():
     drafter = NgramDrafter(vocab_size=10)
     ids = [1, 2, 3, 4, 5, 9, 1, 2, 3]
-    drafter.reset(torch.tensor([ids]))
-    assert drafter.propose(torch.tensor([ids]), 3, SamplingParams(), [torch.Generator()]).tokens.tolist() == [[4, 5, 9]]
+    drafter.reset(1)
+    drafter.start([0], [ids])
+    assert drafter.propose([0], [ids], [3], SamplingParams(), [torch.Generator()]).tokens.tolist() == [[4, 5, 9]]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -62,9 +65,9 @@ def test_greedy_with_ngram_is_identical_to_plain(arch, gamma):
         base = torch.randint(0, 32, (1, 6), generator=g)
         prompt = torch.cat([base, base, base[:, :3]], dim=1)
         params = SamplingParams(max_new_tokens=48)
-        ref = [t for s in plain.generate(prompt, params) for t in s.tokens]
+        ref = [t for s in decode(plain, prompt, params) for t in s.tokens]
         stats = GenerationStats()
-        out = [t for s in spec.generate(prompt, params, stats=stats) for t in s.tokens]
+        out = [t for s in decode(spec, prompt, params, stats=stats) for t in s.tokens]
         assert out == ref
         accepted += stats.accepted_tokens
     assert accepted > 0

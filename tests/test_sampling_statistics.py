@@ -23,7 +23,7 @@ from specdecode.policy import FixedGamma
 from specdecode.sampling import processed_probs, sample
 from specdecode.verify import VerifyResult, verify
 
-from helpers import TableRunner
+from helpers import TableRunner, decode
 
 VOCAB = 4
 GAMMA = 3
@@ -57,7 +57,7 @@ def sample_engine(engine: SpecEngine, params: SamplingParams, n: int) -> dict[tu
     prompt = torch.tensor([PROMPT])
     for seed in range(n):
         g = torch.Generator().manual_seed(seed)
-        seq = tuple(t for step in engine.generate(prompt, params, generator=g) for t in step.tokens)
+        seq = tuple(t for step in decode(engine, prompt, params, generator=g) for t in step.tokens)
         assert len(seq) == WINDOW
         counts[seq] = counts.get(seq, 0) + 1
     return counts

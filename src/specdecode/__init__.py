@@ -7,7 +7,8 @@ cheaply; *accepted* drafts are kept, the first *rejected* one is replaced by a t
 
 from .api import GenerationResult, SpeculativeGenerator
 from .config import SamplingParams, SpecConfig
-from .engine import GenerationStats, SpecEngine
+from .engine import SpecEngine
+from .stats import GenerationStats
 from .errors import SpecDecodeError
 
 __all__ = [

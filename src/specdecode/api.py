@@ -20,11 +20,11 @@ import torch
 from . import models, packs
 from .config import (DEFAULT_DRAFT_PREFILL, DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, SamplingParams, SpecConfig,
                      check_draft_prefill, check_draft_quant)
-from .drafters import ModelDrafter
-from .drafters.hybrid import HybridDrafter
-from .drafters.ngram import NgramDrafter
-from .engine import BatchRequest, BatchStats, GenerationStats, SpecEngine
+from .drafters import make_drafter
+from .engine import Request, SpecEngine
 from .errors import SpecDecodeError
+from .sampling import seeded_generator
+from .stats import BatchStats, GenerationStats
 from .text import TextStream
 
 
@@ -100,24 +100,16 @@ class SpeculativeGenerator:
         if target.runner == "llamacpp":
             raise SpecDecodeError("the llamacpp runner may only run drafts", field="runner")
         self.target_runner, self._draft_runner = runners or (target.make_runner(), None)
-        self.drafter = None
         kind = drafter or ("model" if draft is not None else None)
-        if kind not in (None, "model", "ngram", "hybrid"):
-            raise SpecDecodeError(f"unknown drafter '{kind}' (choose model, ngram or hybrid)", field="draft")
-        if kind == "ngram":
-            self.drafter = NgramDrafter(self.target_runner.vocab_size)
-        elif kind in ("model", "hybrid"):
-            if draft is None:
-                raise SpecDecodeError(f"the {kind} drafter needs a draft model", field="draft")
+        if kind in ("model", "hybrid") and draft is not None:
             if not models.same_vocabulary(target.tokenizer, draft.tokenizer):
                 raise SpecDecodeError(
                     f"draft '{draft.name}' and target '{target.name}' have different vocabularies; "
                     "speculative decoding needs the same tokenizer"
                 )
             self._draft_runner = self._draft_runner or draft.make_runner()
-            self.drafter = ModelDrafter(self._draft_runner)
-            if kind == "hybrid":
-                self.drafter = HybridDrafter(self.drafter, NgramDrafter(self.target_runner.vocab_size))
+        self.drafter = make_drafter(kind, self.target_runner.vocab_size,
+                                    self._draft_runner if kind in ("model", "hybrid") else None)
         self.drafter_kind = kind
         self._sync = torch.cuda.synchronize if self.target_runner.device.type == "cuda" else None
         self.engine = self._engine(self.spec_config)
@@ -189,16 +181,21 @@ class SpeculativeGenerator:
             self._engines[config] = self._engine(config)
         return self._engines[config]
 
-    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
-        if not isinstance(prompt, str):
-            ids = [int(t) for t in prompt]
-        elif chat:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """A one-line SpecDecodeError when a prompt of this length and budget exceed the context."""
+        self.engine.check_fits(prompt_tokens, max_new_tokens)
+
+    def encode(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> list[int]:
+        """Token ids of a prompt: text, token ids, or with ``chat`` a user message (text) or a
+        list of chat messages (``{"role", "content"}``) put through the model's chat template."""
+        if chat:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-        else:
+        elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
         if not ids:
             raise SpecDecodeError("prompt is empty", field="prompt")
         if any(t < 0 or t >= self.target_runner.vocab_size for t in ids):
@@ -246,9 +243,9 @@ class SpeculativeGenerator:
         ``params.seed + its index`` (random when params.seed is None). A row gives the same
         tokens alone or in any batch for the same seed (fixed gamma, batch-invariant runners)."""
         params = params or SamplingParams(**_stop_tuple(sampling))
-        if batch_size > 1 and not getattr(self.target_runner, "supports_batches", False):
+        if batch_size > _max_batch(self.target_runner):
             raise SpecDecodeError("the target runner decodes one row at a time", field="batch_size")
-        if batch_size > 1 and self._draft_runner is not None and not getattr(self._draft_runner, "supports_batches", False):
+        if self._draft_runner is not None and batch_size > _max_batch(self._draft_runner):
             raise SpecDecodeError("the draft runner decodes one row at a time; batches need --draft-runner int8 or hf",
                                   field="batch_size")
         rows, texts = [], []
@@ -262,13 +259,12 @@ class SpeculativeGenerator:
             )
             ids = self.encode(spec["prompt"], chat)
             self.engine.check_fits(len(ids), row_params.max_new_tokens)
-            generator = torch.Generator(device=self.target_runner.device)
-            generator.seed() if row_params.seed is None else generator.manual_seed(row_params.seed)
-            rows.append(BatchRequest(ids, row_params.max_new_tokens, generator))
+            generator = seeded_generator(row_params.seed, self.target_runner.device)
+            rows.append(Request(ids, row_params.max_new_tokens, generator))
             texts.append(TextStream(self.tokenizer, ids, params.stop))
         stats = BatchStats()
         finish: list[str | None] = [None] * len(rows)
-        for step in self.engine.generate_batch(rows, params, params.stopping_ids(self.eos_ids), batch_size=batch_size, stats=stats):
+        for step in self.engine.generate(rows, params, params.stopping_ids(self.eos_ids), batch_size=batch_size, stats=stats):
             text = texts[step.index]
             delta = text.push(step.tokens)
             if delta.stopped:
@@ -285,9 +281,10 @@ class SpeculativeGenerator:
         return BatchResult(results, stats)
 
     def _chunks(self, engine, prompt_ids, params, stream: GenerationStream) -> Iterator[StreamChunk]:
-        stats = GenerationStats()
+        request = Request(prompt_ids, params.max_new_tokens, seeded_generator(params.seed, self.target_runner.device))
+        stats = request.stats
         text = TextStream(self.tokenizer, prompt_ids, params.stop)
-        steps = engine.generate(torch.tensor([prompt_ids]), params, params.stopping_ids(self.eos_ids), stats=stats)
+        steps = engine.generate([request], params, params.stopping_ids(self.eos_ids), batch_size=1)
         finish = "length"
         t0 = time.perf_counter()
         try:
@@ -320,3 +317,7 @@ def _stop_tuple(sampling: dict) -> dict:
     else:
         sampling["stop"] = tuple(stop)
     return sampling
+
+
+def _max_batch(runner) -> int:  # TEMP until runners carry max_batch
+    return getattr(runner, "max_batch", 1 << 30 if getattr(runner, "supports_batches", False) else 1)

@@ -59,3 +59,13 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         return logits.argmax(-1), None
     probs = processed_probs(logits, params)
     return sample(probs, generator), probs
+
+
+def seeded_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's random stream: seeded when a seed is given, from the OS otherwise."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

@@ -2,71 +2,64 @@
 
 Glossary:
 - *context*: every committed token of a row (prompt + generated), the last one included.
-- *proposal*: k' <= k tokens the drafter guesses come next, with the draft distribution each
+- *proposal*: up to k tokens a row's drafter guesses come next, with the draft distribution each
   was drawn from, or ``probs=None`` for a deterministic proposal (treated as one-hot, exact).
+- *start*: a row's drafter takes its request's context (a draft model prefills it).
 - *commit*: after verification the drafter learns how many of its tokens were accepted, so it
   can keep any cache of its own in step with the committed tokens.
-- *rows / slots*: in a batch, each call names the batch slots it concerns (``rows``); the
-  contexts, per-row draft limits ``k`` and generators are given in the same order. Without
-  ``rows`` a call covers slots 0..n-1 (the single-request case). A proposal is right-padded to
-  its longest row; ``Draft.lengths`` says how many tokens of each row are real.
+- *rows*: every call is ragged-batched: it names the batch slots it concerns, and gives their
+  contexts, draft limits and generators in the same order (one request is slot 0 of a batch of
+  one). A proposal is right-padded to its longest row; ``Draft.lengths`` says how many tokens of
+  each row are real.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, Union
+from typing import Protocol, Sequence
 
 import torch
 
 from ..config import SamplingParams
 
-
-Contexts = Union[torch.Tensor, Sequence[Sequence[int]]]  # [n, L] or one token list per row
+Contexts = Sequence[Sequence[int]]  # one token list per row
 
 
 @dataclass
 class Draft:
     tokens: torch.Tensor  # [n, k'] long, right-padded
     probs: torch.Tensor | None  # [n, k', V] or None (deterministic proposal)
-    lengths: list[int] | None = None  # real tokens of each row; None: every row has k'
+    lengths: list[int]  # [n] real tokens of each row
 
-    def row_lengths(self) -> list[int]:
-        return list(self.lengths) if self.lengths is not None else [self.tokens.shape[1]] * self.tokens.shape[0]
+    @classmethod
+    def empty(cls, rows: int) -> "Draft":
+        return cls(torch.empty((rows, 0), dtype=torch.long), None, [0] * rows)
 
 
 class Drafter(Protocol):
     vocab_size: int
 
-    def begin_batch(self, batch_size: int) -> None:  # empty slots 0..batch_size-1
+    def reset(self, batch_size: int) -> None:  # empty slots 0..batch_size-1
         ...
 
-    def reset(self, prompt_ids: Contexts, rows: Sequence[int] | None = None) -> None:
+    def start(self, rows: Sequence[int], contexts: Contexts) -> None:
         ...
 
     def propose(
         self,
-        context: Contexts,
-        k: int | Sequence[int],
+        rows: Sequence[int],
+        contexts: Contexts,
+        limits: Sequence[int],  # [n] most tokens to draft per row
         params: SamplingParams,
-        generators: Sequence[torch.Generator],
-        rows: Sequence[int] | None = None,
+        generators: Sequence[torch.Generator],  # [n]
         min_confidence: float = 0.0,
     ) -> Draft:
-        """Up to k tokens per row; a drafter with probabilities stops a row after a token it gave
-        less than min_confidence (that token is still proposed)."""
+        """Up to limits[j] tokens for row j; a drafter with probabilities stops a row after a
+        token it gave less than min_confidence (that token is still proposed)."""
         ...
 
-    def commit(self, num_accepted: torch.Tensor, rows: Sequence[int] | None = None) -> None:  # [n]
+    def commit(self, rows: Sequence[int], num_accepted: torch.Tensor) -> None:  # num_accepted [n]
         ...
-
-
-def as_rows(context: Contexts) -> list[list[int]]:
-    return context.tolist() if isinstance(context, torch.Tensor) else [list(map(int, row)) for row in context]
-
-
-def per_row(k: int | Sequence[int], n: int) -> list[int]:
-    return [int(k)] * n if isinstance(k, int) else [int(x) for x in k]
 
 
 def padded_draft(tokens: list[list[int]], probs: list[list[torch.Tensor]] | None, vocab: int,
@@ -82,5 +75,18 @@ def padded_draft(tokens: list[list[int]], probs: list[list[torch.Tensor]] | None
         for j, row in enumerate(probs):
             for i, p in enumerate(row):
                 stacked[j, i] = p
-    lengths = [len(t) for t in tokens]
-    return Draft(ids, stacked, None if all(n == width for n in lengths) else lengths)
+    return Draft(ids, stacked, [len(t) for t in tokens])
+
+
+def spread(draft: Draft, held: Sequence[int], n: int) -> Draft:
+    """A draft over rows ``held`` of n -> a draft over all n; the other rows propose nothing."""
+    tokens = torch.zeros((n, draft.tokens.shape[1]), dtype=torch.long)
+    tokens[list(held)] = draft.tokens
+    probs = None
+    if draft.probs is not None:
+        probs = draft.probs.new_zeros((n,) + tuple(draft.probs.shape[1:]))
+        probs[list(held)] = draft.probs
+    lengths = [0] * n
+    for j, length in zip(held, draft.lengths):
+        lengths[j] = length
+    return Draft(tokens, probs, lengths)

@@ -15,7 +15,7 @@ import torch
 from ..config import SamplingParams
 from ..runners import Runner, cache_all_but_last
 from ..sampling import choose
-from .base import Contexts, Draft, as_rows, padded_draft, per_row
+from .base import Contexts, Draft, padded_draft
 
 
 class ModelDrafter:
@@ -24,32 +24,29 @@ class ModelDrafter:
         self.vocab_size = runner.vocab_size
         self._context_lengths: dict[int, int] = {}  # slot -> committed tokens at its last proposal
 
-    def begin_batch(self, batch_size: int) -> None:
+    def reset(self, batch_size: int) -> None:
         self.runner.reset(batch_size)
 
-    def reset(self, prompt_ids: Contexts, rows: Sequence[int] | None = None) -> None:
-        """Cache all but the last prompt token of each row (it is fed with the first proposal)."""
-        cache_all_but_last(self.runner, prompt_ids, rows)
+    def start(self, rows: Sequence[int], contexts: Contexts) -> None:
+        """Cache all but the last token of each row (it is fed with the first proposal)."""
+        cache_all_but_last(self.runner, contexts, rows=rows)
 
     def propose(
         self,
-        context: Contexts,
-        k: int | Sequence[int],
+        rows: Sequence[int],
+        contexts: Contexts,
+        limits: Sequence[int],
         params: SamplingParams,
         generators: Sequence[torch.Generator],
-        rows: Sequence[int] | None = None,
         min_confidence: float = 0.0,
     ) -> Draft:
         """min_confidence: stop drafting a row after a token the draft gave less than this
         probability (the token itself is still proposed; the decision never depends on later draws)."""
-        contexts = as_rows(context)
-        n = len(contexts)
-        slots = list(range(n)) if rows is None else [int(r) for r in rows]
-        limits = per_row(k, n)
+        slots, n = [int(r) for r in rows], len(contexts)
         cached = self.runner.lengths.tolist()
         self._context_lengths.update({slot: len(c) for slot, c in zip(slots, contexts)})
         # feed each row the committed tokens its cache has not seen (at least the pending one)
-        logits = self._feed([c[cached[slot] :] for slot, c in zip(slots, contexts)], slots, rows is not None)  # [n, V]
+        logits = self._feed([list(c[cached[slot] :]) for slot, c in zip(slots, contexts)], slots)  # [n, V]
         tokens: list[list[int]] = [[] for _ in range(n)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
         drafting = [j for j in range(n) if limits[j] > 0]
@@ -63,37 +60,35 @@ class ModelDrafter:
                 if len(tokens[j]) < limits[j] and _confident(min_confidence, logits[j], chosen[i], None if chosen_probs is None else chosen_probs[i]):
                     going.append(j)
             if going:
-                step = torch.tensor([[tokens[j][-1]] for j in going])
-                if rows is None and n == 1:
-                    logits = self.runner.forward(step)[:, -1]
+                step = torch.tensor([[tokens[j][-1]] for j in going])  # [len(going), 1]
+                out = self.runner.forward(step, rows=[slots[j] for j in going], counts=[1] * len(going))[:, -1]
+                if len(going) == n:
+                    logits = out
                 else:
                     logits = logits.clone()
-                    logits[going] = self.runner.forward(step, rows=[slots[j] for j in going])[:, -1]
+                    logits[going] = out
             drafting = going
         dtype = next((row[0].dtype for row in probs if row), torch.float32)
         return padded_draft(tokens, None if params.greedy else probs, self.vocab_size, dtype)
 
-    def _feed(self, feeds: list[list[int]], slots: list[int], batched: bool) -> torch.Tensor:
+    def _feed(self, feeds: list[list[int]], slots: list[int]) -> torch.Tensor:
         """Append each row's unseen tokens; logits after each row's last one [n, V]."""
-        last = getattr(self.runner, "forward_last", None)  # runners that can skip the other positions' head
-        if not batched and len(feeds) == 1:
-            ids = torch.tensor(feeds)
-            return last(ids) if last is not None else self.runner.forward(ids)[:, -1]
         width = max(len(f) for f in feeds)
         ids = torch.zeros((len(feeds), width), dtype=torch.long)
         for j, f in enumerate(feeds):
             ids[j, : len(f)] = torch.tensor(f, dtype=torch.long)
         counts = [len(f) for f in feeds]
+        last = getattr(self.runner, "forward_last", None)  # runners that can skip the other positions' head
         if last is not None:
             return last(ids, rows=slots, counts=counts)
         out = self.runner.forward(ids, rows=slots, counts=counts)  # [n, width, V]
         return out[torch.arange(len(feeds)), torch.tensor(counts) - 1]
 
-    def commit(self, num_accepted: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+    def commit(self, rows: Sequence[int], num_accepted: torch.Tensor) -> None:
         """num_accepted [n]: keep each row's context plus its accepted drafted tokens that are cached."""
-        slots = list(range(len(num_accepted))) if rows is None else [int(r) for r in rows]
         lengths = self.runner.lengths.clone()  # [B]
-        for slot, accepted in zip(slots, num_accepted.tolist()):
+        for slot, accepted in zip(rows, num_accepted.tolist()):
+            slot = int(slot)
             lengths[slot] = min(int(lengths[slot]), self._context_lengths[slot] + accepted)
         self.runner.truncate(lengths)
 

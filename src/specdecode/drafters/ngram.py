@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from ..config import SamplingParams
-from .base import Contexts, Draft, as_rows, padded_draft, per_row
+from .base import Contexts, Draft, padded_draft
 
 
 class _RowIndex:
@@ -60,35 +60,29 @@ class NgramDrafter:
         self.min_n, self.max_n = min_n, max_n
         self.rows: list[_RowIndex] = []
 
-    def begin_batch(self, batch_size: int) -> None:
+    def reset(self, batch_size: int) -> None:
         self.rows = [_RowIndex(self.min_n, self.max_n) for _ in range(batch_size)]
 
-    def reset(self, prompt_ids: Contexts, rows: Sequence[int] | None = None) -> None:
-        prompts = as_rows(prompt_ids)
-        if rows is None:
-            self.begin_batch(len(prompts))
-            rows = range(len(prompts))
-        for slot, ids in zip(rows, prompts):
+    def start(self, rows: Sequence[int], contexts: Contexts) -> None:
+        for slot, ids in zip(rows, contexts):
             self.rows[slot] = _RowIndex(self.min_n, self.max_n)
-            self.rows[slot].extend(ids)
+            self.rows[slot].extend(list(ids))
 
     def propose(
         self,
-        context: Contexts,
-        k: int | Sequence[int],
+        rows: Sequence[int],
+        contexts: Contexts,
+        limits: Sequence[int],
         params: SamplingParams,
         generators: Sequence[torch.Generator],
-        rows: Sequence[int] | None = None,
         min_confidence: float = 0.0,  # lookups carry no probabilities: unused
     ) -> Draft:
-        contexts = as_rows(context)
-        slots = range(len(contexts)) if rows is None else rows
         proposals = []
-        for slot, ids, limit in zip(slots, contexts, per_row(k, len(contexts))):
+        for slot, ids, limit in zip(rows, contexts, limits):
             index = self.rows[slot]
-            index.extend(ids)
+            index.extend(list(ids))
             proposals.append(index.lookup(limit) if limit > 0 else [])
         return padded_draft(proposals, None, self.vocab_size)
 
-    def commit(self, num_accepted: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+    def commit(self, rows: Sequence[int], num_accepted: torch.Tensor) -> None:
         """Nothing to roll back: only committed tokens ever enter the index."""

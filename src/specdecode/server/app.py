@@ -89,16 +89,11 @@ class Worker:
     def _serve(self, job: Job) -> None:
         req = job.request
         gen = self._generator_for(req)
-        prompt = req.prompt
-        if job.chat:
-            prompt = gen.tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
-            prompt = gen.tokenizer.encode(prompt, add_special_tokens=False)
-        stream = gen.stream(prompt, req.params, gamma=req.gamma)
+        stream = gen.stream(req.messages if job.chat else req.prompt, req.params, chat=job.chat, gamma=req.gamma)
         for chunk in stream:
             self._emit(job, chunk)
             if job.cancelled.is_set():
                 stream.close()
-                gen.target_runner.reset(1)  # release the cancelled request's cache memory
                 log.warning("request %s cancelled by the client; stopped after %d tokens", job.id, stream.result.stats.new_tokens if stream.result else 0)
                 self.metrics.cancelled += 1
                 return
@@ -136,7 +131,7 @@ def create_app(generator: SpeculativeGenerator, model_name: str) -> FastAPI:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise RequestError("request body is not valid JSON") from None
             req = parse(body, chat, model_name)
-            generator.engine.check_fits(1, req.params.max_new_tokens)
+            generator.check_fits(1, req.params.max_new_tokens)
         except RequestError as exc:
             metrics.request(endpoint, exc.status)
             return JSONResponse(exc.body(), status_code=exc.status)

@@ -1,0 +1,190 @@
+"""The adaptive draft-length schedule (``--gamma auto``), decided once per engine step.
+
+Glossary:
+- *fixed*: always ``gamma`` (capped by the remaining budget).
+- *adaptive* (``--gamma auto``): choose k in 0..max_gamma to maximise expected tokens per second,
+  E(k) / (t_draft(k) + T(k + 1)), where E(k) = 1 + sum_j prod_{i<=j} a_i from running per-position
+  acceptance estimates a_i, t_draft(k) the measured cost of drafting k tokens and T(m) the
+  measured cost of a target pass over m tokens. k = 0 is a plain decoding step; while it wins the
+  policy stays plain and probes with a short draft every ``probe_every`` steps, so a request where
+  drafting does not pay runs at about plain speed.
+- *deferred start* (adaptive only): when a drafter's one-off start (a draft model's prompt
+  prefill) is worth paying. Its break-even is n = start cost / time saved per drafted token, both
+  measured on earlier requests. A request whose budget is at most n never starts the drafter (it
+  could not earn the start back). Otherwise the drafter starts with the request, unless one of the
+  last ``RECENT_ANSWERS`` answers on this engine ended within n tokens: then answers here are
+  short enough for the start to lose, and the request decodes n plain tokens first (the ski-rental
+  rule: an answer that ends within n tokens never pays for the start, a longer one loses at most
+  twice what the start costs, and the deferral is at most ``longest_deferral`` tokens).
+  A deferral costs every long answer n plain tokens, which is why it is not the default: starting
+  at once loses only on answers shorter than n (about 9 tokens with the default pair). With
+  nothing measured yet the drafter starts at once, and the first request measures the costs.
+- *re-test*: while drafting does not pay, a request decodes plainly without starting the drafter,
+  except every ``retest_gap``-th one, which starts it with the request and probes at once (its
+  cache is then up to date, so the probe feeds no backlog); the gap doubles after each re-test,
+  up to ``LONGEST_RETEST_GAP`` requests, and returns to 1 once a step drafts because it pays.
+- *probe back-off*: each probe after which plain decoding still wins doubles the gap to the
+  next one (up to ``LONGEST_PROBE_GAP`` plain steps); a step that drafts resets it.
+- *estimates*: per-position acceptance and the measured costs (``policy.estimates``), the
+  costs kept per number of rows in the pass, so a step's choice is made with the costs of the
+  batch it runs in; the rate formula is ``costmodel``'s.
+- *confidence stop*: within the chosen length a draft model stops after a token it gave less
+  than ``config.SpecConfig.stop_confidence`` (0.7 by default with this policy); the estimates
+  above then measure the positions such drafts reach.
+- *stretch*: every ``probe_every`` drafting steps the policy drafts one token past its best
+  length, so a position whose estimate went stale (it stopped being drafted after a bad patch)
+  is measured again.
+The estimates carry over from one request to the next on the same engine (a pair's costs and
+typical acceptance are properties of the models and the machine). The choice depends only on past steps, never on the current step's random draws, so the output
+distribution stays exactly the target's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..costmodel import best_length
+from .estimates import AcceptanceEstimates, CostEstimates
+
+# A probe first feeds the draft model every token decoded since the last one (about 3 ms a token
+# with a llama.cpp draft, some 5% of a plain step), whatever the gap; so a long losing streak
+# backs off until requests seldom probe at all past the one at a re-test's start (which owes none).
+LONGEST_PROBE_GAP = 256
+RECENT_ANSWERS = 8  # answer lengths the deferred start looks back on
+LONGEST_RETEST_GAP = 8  # requests
+
+
+def _cap(max_gamma: int, remaining: int | Sequence[int]) -> int:
+    """The longest draft worth making: a step commits at least one target token."""
+    longest = remaining if isinstance(remaining, int) else max(remaining, default=0)
+    return max(0, min(max_gamma, longest - 1))
+
+
+class FixedGamma:
+    """Always ``gamma`` tokens (capped by the budget); measures nothing."""
+
+    def __init__(self, gamma: int):
+        self.gamma = gamma
+        self.max_gamma = gamma
+
+    def choose(self, remaining: int | Sequence[int], rows: int = 1) -> int:
+        return _cap(self.gamma, remaining)
+
+    def observe(self, drafted: Sequence[int], accepted: Sequence[int], draft_seconds: float, verify_seconds: float) -> None:
+        pass
+
+    def start_after(self, context_tokens: int, budget: int) -> int:
+        return 0  # a fixed draft length starts drafting at once
+
+    def started(self, context_tokens: int, seconds: float) -> None:
+        pass
+
+    def finished(self, new_tokens: int) -> None:
+        pass
+
+
+@dataclass
+class AdaptiveGamma:
+    """The schedule of the module glossary over ``acceptance`` and ``costs``."""
+
+    max_gamma: int = 8
+    probe_every: int = 8
+    decay: float = 0.9  # weight of the past in the running estimates
+    longest_deferral: int = 64  # plain tokens a deferred start waits at most
+    prior_acceptance: float = 0.6
+    acceptance: AcceptanceEstimates = field(init=False)
+    costs: CostEstimates = field(init=False)
+    plain_steps: int = 0  # plain steps since the last probe
+    probe_gap: int = 0  # plain steps between probes now (0: probe_every)
+    drafting_steps: int = 0  # drafting steps since the last stretch
+    probe_now: bool = False  # a drafter has just started: probe it on the next step
+    retest_gap: int = 1  # requests from one re-test to the next
+    requests_since_retest: int = 0
+    answer_lengths: deque = field(default_factory=lambda: deque(maxlen=RECENT_ANSWERS))  # new tokens of recent requests
+
+    def __post_init__(self) -> None:
+        self.acceptance = AcceptanceEstimates(self.max_gamma, self.decay, self.prior_acceptance)
+        self.costs = CostEstimates(self.decay)
+
+    def best(self, cap: int, rows: int = 1) -> tuple[int, float]:
+        """(k, tokens per second a row) of the best draft length up to cap for a pass of ``rows``."""
+        costs = self.costs
+        return best_length(self.acceptance.rates(), lambda k: costs.draft_seconds(k, rows),
+                           lambda m: costs.pass_seconds(m, rows), cap)
+
+    def choose(self, remaining: int | Sequence[int], rows: int = 1) -> int:
+        """The draft length of the next step of ``rows`` drafting rows; remaining: the budget
+        left, or each row's (the longest bounds the length)."""
+        cap = _cap(self.max_gamma, remaining)
+        if cap == 0:
+            return 0
+        if not self.costs.knows_pass(rows):
+            return 0  # measure a plain step first
+        if not self.costs.knows_draft(rows):
+            return min(cap, 2)  # then a short draft
+        best_k, _ = self.best(cap, rows)
+        if self.probe_now:
+            self.probe_now = False
+            if best_k == 0:  # a re-test: probe while the draft's cache is up to date
+                self.plain_steps = 0
+                return 1
+        if best_k > 0:
+            self.retest_gap = 1
+            self.drafting_steps += 1
+            if best_k < cap and self.drafting_steps >= self.probe_every:
+                self.drafting_steps = 0
+                best_k += 1  # the stretch
+            self.plain_steps, self.probe_gap = 0, 0
+            return best_k
+        self.plain_steps += 1
+        if self.plain_steps >= (self.probe_gap or self.probe_every):
+            # probe to keep the acceptance estimate fresh; the next one comes later if this one
+            # does not change the verdict (a drafting step resets the gap)
+            self.plain_steps, self.probe_gap = 0, min(LONGEST_PROBE_GAP, 2 * (self.probe_gap or self.probe_every))
+            return 1
+        return 0
+
+    def observe(self, drafted: Sequence[int], accepted: Sequence[int], draft_seconds: float, verify_seconds: float) -> None:
+        """One engine step: each row's drafted and accepted tokens, and the step's draft and
+        verification seconds (all rows together)."""
+        rows, longest = len(drafted), max(drafted, default=0)
+        self.costs.observe_pass(rows, longest + 1, verify_seconds)
+        if longest:
+            self.costs.observe_draft(rows, longest, draft_seconds)
+        for n, kept in zip(drafted, accepted):
+            self.acceptance.observe(n, kept)
+
+    def start_after(self, context_tokens: int, budget: int) -> int:
+        """Plain tokens a request with this budget decodes before its drafter starts (glossary:
+        deferred start); budget or more means never. Called once per request: while drafting
+        does not pay it counts requests towards the next re-test."""
+        costs = self.costs
+        if costs.start_cost is None or not costs.knows_draft() or not costs.knows_pass():
+            return 0  # nothing measured: start, and measure
+        best_k, rate = self.best(self.max_gamma)
+        saving = costs.pass_seconds(1) - 1.0 / rate  # seconds saved per token while drafting
+        if best_k == 0 or saving <= 0:  # drafting does not pay: plain, or a re-test (glossary)
+            self.requests_since_retest += 1
+            if self.requests_since_retest < self.retest_gap:
+                return budget
+            self.requests_since_retest = 0
+            self.retest_gap = min(LONGEST_RETEST_GAP, 2 * self.retest_gap)
+            return 0
+        break_even = math.ceil(costs.start_cost * context_tokens / saving)
+        if budget <= break_even:
+            return budget
+        if any(n <= break_even for n in self.answer_lengths):
+            return min(self.longest_deferral, break_even)
+        return 0
+
+    def started(self, context_tokens: int, seconds: float) -> None:
+        """A drafter start over context_tokens took this long."""
+        self.probe_now = True
+        self.costs.observe_start(context_tokens, seconds)
+
+    def finished(self, new_tokens: int) -> None:
+        """A request ended after new_tokens (read by the deferred start)."""
+        self.answer_lengths.append(new_tokens)
