@@ -12,7 +12,7 @@ same generator with no draft.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 import torch
@@ -24,56 +24,9 @@ from .drafters import make_drafter
 from .engine import Request, SpecEngine
 from .errors import SpecDecodeError
 from .sampling import seeded_generator
-from .stats import BatchStats, GenerationStats
+from .results import BatchResult, GenerationResult, GenerationStream, StreamChunk
+from .stats import BatchStats
 from .text import TextStream
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]  # new tokens only
-    finish_reason: str  # "stop" | "length"
-    prompt_tokens: int
-    stats: GenerationStats
-
-    def to_dict(self) -> dict:
-        return {
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason,
-            "prompt_tokens": self.prompt_tokens,
-            "stats": self.stats.to_dict(),
-        }
-
-
-@dataclass
-class StreamChunk:
-    text: str  # newly emitted text (may be empty)
-    token_ids: list[int]  # this step's new tokens that belong to the output
-    finish_reason: str | None
-
-
-class GenerationStream:
-    """Iterate for chunks; ``result`` is set once the stream is exhausted or closed."""
-
-    def __init__(self, chunks: Iterator[StreamChunk]):
-        self._chunks = chunks
-        self.result: GenerationResult | None = None
-
-    def __iter__(self) -> Iterator[StreamChunk]:
-        return self._chunks
-
-    def close(self) -> None:
-        self._chunks.close()  # type: ignore[attr-defined]
-
-
-@dataclass
-class BatchResult:
-    results: list[GenerationResult]  # in the order of the prompts
-    stats: BatchStats
-
-    def to_dict(self) -> dict:
-        return {"batch": self.stats.to_dict(), "results": [r.to_dict() for r in self.results]}
 
 
 class SpeculativeGenerator:
