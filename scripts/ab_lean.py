@@ -1,4 +1,5 @@
-# Measurement script for docs/benchmarks.md section 11 (not part of the package).
+# Measures the int8 path's direct decode loop against its module path (docs/benchmarks.md, "int8 path costs"; not part of the package).
+# python scripts/ab_lean.py [MODEL ...]
 # Interleaved A/B of the module path (transformers' forward over runners.int8) and the lean
 # loop (runners.lean) on one loaded model: two runners with their own caches, timed in
 # alternation so machine drift cancels; logits compared with torch.equal first.

@@ -1,9 +1,9 @@
-# Measurement script for docs/benchmarks.md section 15 (not part of the package).
+# Measures the verify-cost curve T(k) per batch size (docs/benchmarks.md, "Verify cost T(k)"; not part of the package).
 # The batched verify-cost curve: the int8 target's pass over B rows of k tokens each (after a
 # 200-token context per row), a B-row draft step on the int8 path, and a k-token llama.cpp call
 # (the cost of one multi-row llama.cpp draft step of k rows, which specdecode does not have);
 # then the paper's model per batch size: speedup over batched plain decoding for gamma 1..5.
-# python batch_cost.py [alpha]
+# python scripts/batch_cost.py [alpha]
 import statistics, sys, time, torch
 torch.set_num_threads(2)
 from specdecode import models, packs

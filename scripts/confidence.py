@@ -1,9 +1,9 @@
-# Measurement script for docs/benchmarks.md section 16 (not part of the package).
+# Measures draft-length and confidence-stop settings (docs/benchmarks.md, "Confidence stop"; not part of the package).
 # Interleaved A/B of draft-length settings on one loaded pair: each arm is "gamma:confidence"
 # (gamma an integer or auto; confidence the --draft-confidence stop, 0 = off), each on its own
 # engine, greedy, HumanEval prompts argv[2]..argv[3], the order rotating per prompt; outputs
 # asserted identical. Prints per-prompt times and each arm's geometric-mean speed over the first.
-#   python docs/experiments/confidence.py 5:0,8:0.5,8:0.3,auto:0 0 10
+#   python scripts/confidence.py 5:0,8:0.5,8:0.3,auto:0 0 10
 import math, statistics, sys
 from specdecode.api import SpeculativeGenerator
 from specdecode.bench.suites import load_suite

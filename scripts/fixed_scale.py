@@ -1,7 +1,7 @@
-# Measurement script for docs/benchmarks.md section 15 (not part of the package).
+# Measures the int8 path's fixed-parameter quantisation against the anchor row (docs/benchmarks.md, "int8 path costs"; not part of the package).
 # The int8 path's per-token quantisation with fixed parameters against the anchor-row trick it
 # replaced: logits asserted bit-identical on the real target, then passes timed in alternation.
-# python fixed_scale.py
+# python scripts/fixed_scale.py
 import statistics, time, torch
 torch.set_num_threads(2)
 from specdecode import models

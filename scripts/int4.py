@@ -1,4 +1,5 @@
-# Measurement script for docs/benchmarks.md section 9 (not part of the package).
+# Times torch's int4 CPU weight kernel against fp32 and the int8 kernel on the 0.5B draft's Linear shapes, random weights
+# (docs/benchmarks.md, "int8 path costs"; not part of the package). python scripts/int4.py
 import time, torch
 torch.set_num_threads(2)
 torch.backends.quantized.engine = "fbgemm"

@@ -1,7 +1,8 @@
-# Measurement script for docs/benchmarks.md section 15 (not part of the package), as run in session 10
-# before runners.llamacpp gained prefill_runner: the same copy of int8-path keys and values into
-# llama.cpp, as a subclass; greedy A/B against llama.cpp's own prefill, outputs asserted identical.
-# python prefill_inject_ab.py OFFSET LIMIT [TEMPERATURE]
+# Measures a llama.cpp draft prefilled on the int8 path against one prefilling itself (docs/benchmarks.md,
+# "Draft prefill on the int8 path"; not part of the package). It copies int8-path keys and values into
+# llama.cpp with a subclass of its own (the runner's prefill_runner does the same); greedy A/B against
+# llama.cpp's own prefill, outputs asserted identical.
+# python scripts/prefill_inject_ab.py OFFSET LIMIT [TEMPERATURE]
 import ctypes, struct, statistics, sys, time, numpy as np, torch
 torch.set_num_threads(2)
 import llama_cpp

@@ -1,6 +1,6 @@
-# Measurement script for docs/benchmarks.md section 13 (not part of the package).
-# python quant.py time source,q4_0,q8_0       : llama.cpp draft cost per call (prefill 160, k = 1, 2, 5) per weight format
-# python quant.py ab source,q4_0 OFF LIMIT [T] : one int8 target, one llama.cpp draft per format, rotating order per prompt
+# Measures llama.cpp draft weight formats (docs/benchmarks.md, "Draft weight format"; not part of the package).
+# python scripts/quant.py time source,q4_0,q8_0       : llama.cpp draft cost per call (prefill 160, k = 1, 2, 5) per weight format
+# python scripts/quant.py ab source,q4_0 OFF LIMIT [T] : one int8 target, one llama.cpp draft per format, rotating order per prompt
 # A format may also be a copy quant_head.py wrote (q4_0h4, q4_0h8: Q4_0 layers, Q4_0 or Q8_0 head).
 import sys, statistics, time, torch
 torch.set_num_threads(2)

@@ -1,6 +1,6 @@
-# Measurement script for docs/benchmarks.md section 15 (not part of the package), as run in session 10.
+# Writes the draft copies for the output-head comparison of docs/benchmarks.md, "Draft weight format" (not part of the package).
 # Writes two Q4_0 copies of the draft whose output head is Q4_0 (q4_0h4) or Q8_0 (q4_0h8, llama.cpp's default).
-# python quant_head.py; then quant.py time q4_0h8,q4_0h4 and quant.py ab q4_0h8,q4_0h4 0 10
+# python scripts/quant_head.py; then scripts/quant.py time q4_0h8,q4_0h4 and quant.py ab q4_0h8,q4_0h4 0 10
 import ctypes, os, sys, llama_cpp
 from specdecode import packs
 src = str(packs.ensure_assembled(packs.get_pack(packs.DEFAULT_DRAFT), progress=False))

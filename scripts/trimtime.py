@@ -1,4 +1,5 @@
-# Measurement script for docs/benchmarks.md section 12 (not part of the package). Argument: N for --draft-vocab.
+# Times a llama.cpp draft call with a trimmed vocabulary against the full one (docs/benchmarks.md, "Draft vocabulary";
+# not part of the package). python scripts/trimtime.py N   (N as for --draft-vocab)
 import statistics, time, torch, sys
 torch.set_num_threads(2)
 from specdecode import packs

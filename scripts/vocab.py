@@ -1,4 +1,5 @@
-# Measurement script for docs/benchmarks.md section 12 (not part of the package).
+# Measures --draft-vocab settings end to end (docs/benchmarks.md, "Draft vocabulary"; not part of the package).
+# python scripts/vocab.py full,32768,65536,100000 OFFSET LIMIT [TEMPERATURE]
 # draft vocabulary A/B: one target, one llama.cpp draft runner per --draft-vocab setting, rotating order per prompt
 import sys, statistics, torch
 torch.set_num_threads(2)
