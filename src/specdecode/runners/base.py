@@ -1,8 +1,14 @@
 """The Runner contract.
 
 Glossary:
-- *cache length*: how many tokens of a row the runner's KV cache holds.
-- *prefill*: reset the cache and run a prompt; returns the logits after its last token.
+- *cache length*: how many tokens a row of the runner's KV cache holds.
+- *batch*: the rows the runner holds, made by ``reset(batch_size)``; at most ``max_batch``.
+- *rows*: the batch rows a call works on (default: every row, in order); the other rows are left
+  untouched.
+- *counts*: how many of a row's block tokens are real; the rest is right padding, which is
+  scored (or not) and never kept in the cache.
+- *prefill*: empty the named rows (without ``rows``: reset the batch to the block's rows) and run
+  a prompt per row; returns the logits after each last token.
 - *forward*: append tokens at each row's cursor and return logits for every new position.
 - *truncate*: drop cached tokens so each row holds exactly ``lengths[b]`` tokens.
 
@@ -21,6 +27,7 @@ import torch
 class Runner(Protocol):
     vocab_size: int  # width of the logits
     max_context: int  # most tokens a row may hold
+    max_batch: int  # most rows a batch may have (1: one request at a time)
     device: torch.device
 
     @property
@@ -30,14 +37,16 @@ class Runner(Protocol):
     def reset(self, batch_size: int = 1) -> None:
         ...
 
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:  # ids [B, T] -> logits [B, V]
-        ...
+    def prefill(self, ids: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
+        ...  # ids [n, T] -> logits [n, V]
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [B, S] -> logits [B, S, V]
-        ...
+    def forward(self, ids: torch.Tensor, rows: Sequence[int] | None = None,
+                counts: Sequence[int] | None = None) -> torch.Tensor:
+        ...  # ids [n, S] -> logits [n, S, V]; positions past counts[j] are padding
 
-    # Runners that batch requests (HFRunner, the test TableRunner) also take
-    # prefill(ids, rows=...) and forward(ids, rows=..., counts=...): see runners.hf.
+    def forward_last(self, ids: torch.Tensor, rows: Sequence[int] | None = None,
+                     counts: Sequence[int] | None = None) -> torch.Tensor:
+        ...  # ids [n, S] -> logits [n, V] after each row's last real token
 
     def truncate(self, lengths: torch.Tensor) -> None:  # lengths [B]
         ...

@@ -11,15 +11,12 @@ Glossary:
   quantised with one fixed scale and zero point (those the dynamic kernel picks for the range
   -1..+1). Each token's quantisation depends on that token alone, the integer accumulation is
   exact, and the result is scaled back per token. A position's logits are then bit-identical
-  whether it is scored alone or inside a block. (Earlier versions added an *anchor row* holding
-  -1 and +1 so that the dynamic kernel chose those parameters itself: the same integers, one
-  row and one min/max pass dearer.)
-
-- *row-wise attention*: quantisation turns a one-ulp difference upstream into a whole quantum,
-  so attention must be bit-identical too. transformers' SDPA path takes a different route for
-  one query than for many (packed GQA vs repeated KV, different kernels), so this path scores
-  each query row with its own single-query attention over exactly the keys it may see: the
-  same call, with the same shapes, as when that token is decoded alone.
+  whether it is scored alone or inside a block.
+- *anchor row*: a row holding -1 and +1 added to a block makes fbgemm's dynamic kernel choose
+  the fixed parameters itself: the same integers, one row and one min/max pass dearer.
+- *row-wise attention* (``runners.attention``): quantisation turns a one-ulp difference upstream
+  into a whole quantum, so attention must be bit-identical too; the int8 path scores each query
+  alone over exactly the keys it may see.
 
 The transform replaces the ``nn.Linear`` modules of a loaded model once (nothing is restored
 later) and selects the row-wise attention; norms and embeddings stay in fp32.
@@ -31,6 +28,9 @@ import warnings
 
 import torch
 from torch import nn
+
+from .attention import use_rowwise_attention
+
 
 def int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines and _FIXED_SCALE_LINEAR is not None
@@ -56,8 +56,8 @@ def _per_token_matmul(packed, rows: torch.Tensor) -> torch.Tensor:
     """rows [M, in] float32 -> [M, out]: each row divided by its absolute maximum, quantised
     with the fixed (TOKEN_SCALE, TOKEN_ZERO_POINT), multiplied in integers and scaled back.
 
-    The same integers and the same result as the anchor-row trick (module glossary), without
-    the extra row and the min/max pass: 0.60 -> 0.50 ms for 6 tokens x 1536 -> 17920 here."""
+    The same integers and the same result as an anchor row (module glossary), without the extra
+    row and the min/max pass: 0.50 against 0.60 ms for 6 tokens x 1536 -> 17920 here."""
     # abs().amax: the same value as the infinity norm (a maximum is exact), at a fraction of
     # linalg.vector_norm's time on CPU (7 against 30 us for 6 x 1536, 121 against 1979 us for 150 x 8960)
     amax = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)  # [M, 1]
@@ -147,106 +147,6 @@ class FusedInt8Member(nn.Module):
 
 
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-ROWWISE_ATTENTION = "specdecode_rowwise"
-ROWWISE_MAX_BLOCK = 64  # longer blocks (prompt prefill) take the batched kernel
-
-
-def rowwise_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """query [B, H, q, D] for the last q positions; key/value [B, Hkv, kv, D] -> ([B, q, H, D], None).
-
-    Blocks up to ROWWISE_MAX_BLOCK tokens (every decode and verification step) are scored row by
-    row, bit-identically to scoring each token alone: query i of batch row b attends to exactly
-    the keys it may see (its row's slots up to its own position, read off the additive mask),
-    with the same call and shapes as when that token is decoded alone in a batch of one. A
-    longer block is a prompt prefill, which plain and speculative decoding run identically, so
-    it takes transformers' batched SDPA.
-    """
-    packed = getattr(attention_mask, "specdecode_packed", None)
-    if packed is not None:
-        return _packed_attention(module, query, key, value, packed, scaling)
-    if query.shape[2] > ROWWISE_MAX_BLOCK:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    groups = getattr(module, "num_key_value_groups", 1)
-    batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
-    allowed, visible = _visibility(attention_mask, batch, q_len, kv_len)
-    out = []
-    for b in range(batch):
-        longest = kv_len if allowed is not None else max(visible[b])
-        row_key, row_value = key[b : b + 1, :, :longest], value[b : b + 1, :, :longest]
-        rows = []
-        for i in range(q_len):
-            if allowed is None:
-                k, v = row_key[:, :, : visible[b][i]], row_value[:, :, : visible[b][i]]
-            else:  # e.g. transformers' left padding: gather exactly the visible keys
-                k, v = row_key[:, :, allowed[b, i]], row_value[:, :, allowed[b, i]]
-            rows.append(_single_query(query[b : b + 1, :, i : i + 1], k, v, groups, scaling))
-        out.append(torch.cat(rows, dim=2) if q_len > 1 else rows[0])  # [1, H, q, D]
-    result = torch.cat(out) if batch > 1 else out[0]
-    return result.transpose(1, 2).contiguous(), None
-
-
-def _single_query(query, key, value, groups: int, scaling):
-    """One position: query [1, H, 1, D] against key/value [1, Hkv, v, D] -> [1, H, 1, D].
-
-    With grouped-query attention the query heads sharing a KV head are scored as that head's
-    ``groups`` query rows, so the keys are never copied per head. Every path (alone, padded
-    batch, packed batch) makes exactly this call for a position, hence identical bits."""
-    if groups == 1:
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scaling)
-    heads, dim = query.shape[1], query.shape[3]
-    grouped = query.reshape(1, heads // groups, groups, dim)
-    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, scale=scaling)
-    return out.reshape(1, heads, 1, dim)
-
-
-def _packed_attention(module, query, key, value, layout, scaling):
-    """query [1, H, T, D] holding several rows' tokens (see runners.hf.PackedLayout); key/value
-    [B, Hkv, kv, D] per row. Each query gets the same single-query call as when decoded alone."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    out = []
-    for row, start, count, offset in zip(layout.rows, layout.starts, layout.counts, layout.offsets):
-        row_key, row_value = key[row : row + 1, :, : start + count], value[row : row + 1, :, : start + count]
-        for i in range(count):
-            out.append(_single_query(query[:, :, offset + i : offset + i + 1], row_key[:, :, : start + i + 1],
-                                     row_value[:, :, : start + i + 1], groups, scaling))
-    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
-
-
-_last_visibility: list = [None, None, None]  # [mask, shape key, result]: every layer of a pass shares its mask
-
-
-def _visibility(attention_mask, batch: int, q_len: int, kv_len: int):
-    """-> (None, visible [B][q]) when each query sees a prefix of its row's keys, else
-    (allowed [B, q, kv] bool, counts). Computed once per pass (the layers share the mask)."""
-    key = (batch, q_len, kv_len)
-    if attention_mask is not None and _last_visibility[0] is attention_mask and _last_visibility[1] == key:
-        return _last_visibility[2]
-    if attention_mask is None:  # causal over the whole key range in every row
-        result = None, (kv_len - q_len + 1 + torch.arange(q_len)).expand(batch, q_len).tolist()
-    else:  # [B or 1, 1, q, kv], additive (0 where visible) or boolean (True where visible)
-        mask = attention_mask[:, 0, :, :kv_len]
-        allowed = (mask if mask.dtype == torch.bool else mask == 0).expand(batch, q_len, kv_len)
-        counts = allowed.sum(-1)  # [B, q]
-        prefix = bool((allowed.long().cumprod(-1).sum(-1) == counts).all())
-        # a prefix (our ragged cache) is sliced; anything else (transformers' left padding) gathered
-        result = (None if prefix else allowed), counts.tolist()
-        _last_visibility[:] = [attention_mask, key, result]
-    return result
-
-
-def use_rowwise_attention(model: nn.Module) -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    AttentionInterface.register(ROWWISE_ATTENTION, rowwise_attention)
-    # transformers' own generate (the bench's Hugging Face methods, batched with left padding)
-    # then builds an additive mask for it; our runner always passes its own 4D mask
-    AttentionMaskInterface.register(ROWWISE_ATTENTION, eager_mask)
-    model.set_attn_implementation(ROWWISE_ATTENTION)
 
 
 def prepare_int8(model: nn.Module) -> nn.Module:

@@ -13,6 +13,11 @@ Glossary:
   and prompts that short; one row or several packed back to back without padding). A longer
   prompt prefill keeps the module path and its batched attention; a row with no tokens in the
   pass sends the whole pass down the module path.
+- *segments*: the rows of a pass, ``(row, start, count)``: ``count`` tokens for cache row
+  ``row`` from slot ``start``, back to back in that order in ``ids``.
+
+``runners.factory`` gives a ``LeanForward`` to an HFRunner whose model ``supports`` accepts;
+the runner calls it for eligible passes.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .hf import PackedLayout
-from .int8 import ROWWISE_MAX_BLOCK, FusedInt8Member, PerTokenInt8Linear, _single_query
+from .attention import ROWWISE_ATTENTION, ROWWISE_MAX_BLOCK, PackedLayout, Segment, attend, segment_picks
+from .int8 import FusedInt8Member, PerTokenInt8Linear
 
 LEAN_MODEL_TYPES = ("qwen2", "llama")
 LEAN_LAYER_CLASSES = ("Qwen2DecoderLayer", "LlamaDecoderLayer")
@@ -61,7 +66,7 @@ class LeanForward:
         config = getattr(model, "config", None)
         if getattr(config, "model_type", None) not in LEAN_MODEL_TYPES:
             return False
-        if getattr(config, "_attn_implementation", None) != "specdecode_rowwise":
+        if getattr(config, "_attn_implementation", None) != ROWWISE_ATTENTION:
             return False
         if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
             return False
@@ -90,11 +95,12 @@ class LeanForward:
         if len(segments) == 1:
             row, start, _ = segments[0]
             packed, positions = None, torch.arange(start, start + total)
-            row_keys = [(0, start, total, 0)]  # index 0 of the row's own cache view
+            order = [Segment(0, 0, 0, start, total)]  # key row 0 of the row's own cache view
         else:
             packed = PackedLayout([r for r, _, _ in segments], [s for _, s, _ in segments], [c for _, _, c in segments], x.device)
             positions = packed.token_slots  # a token's cache slot is its position
-            row_keys = list(zip(packed.rows, packed.starts, packed.counts, packed.offsets))
+            order = packed.segments
+        picks = segment_picks(order)
         cos, sin = self.rotary(x, positions[None])  # [1, T, D]
         cos, signed_sin = cos.unsqueeze(1), _signed_sin(sin).unsqueeze(1)  # [1, 1, T, D]
         for index, layer in enumerate(self.layers):
@@ -110,8 +116,8 @@ class LeanForward:
             if packed is None:
                 keys, values = cached.write(k, v, [row], [start], cache.rows_total)
             else:
-                keys, values = cached.write_packed(k, v, packed.token_rows, packed.token_slots, packed.need, cache.rows_total)
-            attn = _attention(q, keys, values, row_keys, layer.groups, layer.scaling)  # [T, H * D]
+                keys, values = cached.write_packed(k, v, packed, cache.rows_total)
+            attn = attend(q, keys, values, picks, layer.groups, layer.scaling).transpose(1, 2).reshape(total, -1)  # [T, H * D]
             x = layer.o_proj.rows(attn).add_(x.view(total, -1))  # residual + attention (addition commutes)
             h = layer.post_norm(x)
             gate_up = layer.gate_up.rows(h)
@@ -119,25 +125,8 @@ class LeanForward:
             x = layer.down_proj.rows(hidden).add_(x).view(1, total, -1)
         x = self.norm(x)
         if keep_last:
-            x = x[:, [offset + count - 1 for _, _, count, offset in row_keys]]
+            x = x[:, [seg.query_start + seg.count - 1 for seg in order]]
         return self.head(x)[0]
-
-
-def _attention(q, keys, values, segments, groups: int, scaling) -> torch.Tensor:
-    """q [1, H, T, D]; keys/values [rows, Hkv, slots, D]; segments [(row index into keys, first
-    slot, count, offset in q)] -> [T, H * D]. Query i of a segment sees its row's slots up to
-    first + i: the same single-query call as the module path's row-wise attention."""
-    if len(segments) == 1 and q.shape[2] == 1:
-        row, start, _, _ = segments[0]
-        out = _single_query(q, keys[row : row + 1, :, : start + 1], values[row : row + 1, :, : start + 1], groups, scaling)
-        return out.reshape(1, -1)  # [1, H, 1, D] has the layout of [1, 1, H, D]
-    rows = []
-    for row, start, count, offset in segments:
-        row_keys, row_values = keys[row : row + 1], values[row : row + 1]
-        for i in range(count):
-            n = start + i + 1
-            rows.append(_single_query(q[:, :, offset + i : offset + i + 1], row_keys[:, :, :n], row_values[:, :, :n], groups, scaling))
-    return torch.cat(rows, dim=2).transpose(1, 2).reshape(q.shape[2], -1)
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:  # [..., D] -> sin with its first half negated
