@@ -18,12 +18,12 @@ import torch
 
 from . import packs
 from .errors import SpecDecodeError
+from .runners import factory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DEVICES = ("cpu", "cuda")
 
-
-RUNNERS = ("auto", "hf", "int8", "llamacpp")
+RUNNERS = factory.RUNNERS
 
 
 @dataclass
@@ -36,36 +36,8 @@ class LoadedModel:
     prefill_model: object | None = None  # a llamacpp runner's model on the int8 path, for prompt prefills
 
     def make_runner(self):
-        from .runners.hf import HFRunner
-
-        if self.runner == "llamacpp":
-            from .runners.llamacpp import LlamaCppRunner
-
-            return LlamaCppRunner(self.gguf_path, prefill_runner=None if self.prefill_model is None else HFRunner(self.prefill_model))
-
-        return HFRunner(self.model)
-
-
-def choose_runner(requested: str, device: torch.device, dtype: torch.dtype, reference: str, role: str) -> str:
-    """auto: on CPU in float32, int8 for a target; for a GGUF draft llama.cpp when installed and
-    built with AVX-512 (or not on x86), else int8 (see runners.llamacpp.llamacpp_fast)."""
-    if requested not in RUNNERS:
-        raise SpecDecodeError(f"unknown runner '{requested}' (choose from {', '.join(RUNNERS)})", field="runner")
-    if requested == "llamacpp" and role == "target":
-        raise SpecDecodeError("the llamacpp runner is not batch-invariant, so it may only run drafts (--draft-runner)",
-                              field="runner")
-    if requested in ("int8", "llamacpp") and device.type != "cpu":
-        raise SpecDecodeError(f"the {requested} runner is CPU-only", field="runner")
-    if requested != "auto":
-        return requested
-    if device.type != "cpu" or dtype != torch.float32:
-        return "hf"
-    from .runners.int8 import int8_available
-    from .runners.llamacpp import llamacpp_available, llamacpp_fast
-
-    if role == "draft" and llamacpp_available() and gguf_source(reference) is not None and llamacpp_fast():
-        return "llamacpp"
-    return "int8" if int8_available() else "hf"
+        """This model's runner, built by runners.factory."""
+        return factory.build_runner(self.runner, self.model, self.gguf_path, self.prefill_model)
 
 
 def gguf_source(reference: str) -> Path | None:
@@ -121,44 +93,30 @@ def resolve(reference: str, progress: bool = True) -> tuple[str, dict]:
 def load(reference: str, device: torch.device, dtype: torch.dtype, progress: bool = True,
          runner: str = "hf", role: str = "target", draft_vocab: int | None = None,
          draft_quant: str = "source", draft_prefill: str = "llamacpp") -> LoadedModel:
-    """draft_vocab: a llama.cpp draft scores only its lowest ``draft_vocab`` token ids plus the
+    """Load a model for the runner runners.factory picks from ``runner`` ('auto' or a kind).
+
+    draft_vocab: a llama.cpp draft scores only its lowest ``draft_vocab`` token ids plus the
     control tokens (None: its whole vocabulary); draft_quant: it runs a copy llama.cpp requantized
     to that type ('source': the GGUF as it is); draft_prefill 'int8': it prefills prompts with the
     same model on the int8 path (runners.llamacpp glossary). Other runners ignore all three."""
-    requested, runner = runner, choose_runner(runner, device, dtype, reference, role)
-    if runner == "llamacpp":
+    kind = factory.choose_runner(runner, device, dtype, role, gguf_source(reference))
+    if kind == "llamacpp":
         loaded = _load_llamacpp(reference, progress)
-        from .runners.llamacpp import llamacpp_problem
-
-        problem = llamacpp_problem(loaded.gguf_path, packs.cache_dir())
-        if problem is None:
-            from .runners.llamacpp import requantized_gguf, trimmed_gguf
-
-            if draft_quant != "source":  # before trimming: the trimmed copy's id map is written beside it
-                loaded.gguf_path = requantized_gguf(loaded.gguf_path, draft_quant, packs.cache_dir())
-            if draft_vocab is not None:
-                loaded.gguf_path = trimmed_gguf(loaded.gguf_path, draft_vocab, packs.cache_dir())
-            from .runners.int8 import int8_available
-
-            if draft_prefill == "int8" and dtype == torch.float32 and int8_available():
+        draft_file = factory.llamacpp_draft_file(loaded.gguf_path, runner != "auto", draft_quant, draft_vocab,
+                                                 packs.cache_dir())
+        if draft_file is not None:
+            loaded.gguf_path = draft_file
+            if factory.prefills_on_int8(draft_prefill, dtype):
                 loaded.prefill_model = _load_transformers(reference, device, dtype, progress, "int8")[0]
             return loaded
-        hint = ('rebuild it with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" '
-                "pip install --force-reinstall --no-cache-dir llama-cpp-python")
-        if requested != "auto":
-            raise SpecDecodeError(f"{problem}; {hint}", field="draft_runner")
-        import sys
-
-        print(f"specdecode: warning: {problem}; drafting on the int8 path instead ({hint})", file=sys.stderr)
-        runner = "int8" if dtype == torch.float32 else "hf"
-    if runner == "int8" and dtype != torch.float32:
-        raise SpecDecodeError("the int8 runner quantises from float32; use --dtype float32", field="dtype")
-    model, tokenizer = _load_transformers(reference, device, dtype, progress, runner)
-    return LoadedModel(reference, model, tokenizer, runner)
+        kind = factory.fallback_runner(dtype)
+    factory.check_dtype(kind, dtype)
+    model, tokenizer = _load_transformers(reference, device, dtype, progress, kind)
+    return LoadedModel(reference, model, tokenizer, kind)
 
 
 def _load_transformers(reference: str, device: torch.device, dtype: torch.dtype, progress: bool, runner: str):
-    """(model, tokenizer) through transformers, on the int8 path when runner is 'int8'."""
+    """(model, tokenizer) through transformers, with the weights prepared for that runner kind."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     location, extra = resolve(reference, progress)
@@ -171,12 +129,7 @@ def _load_transformers(reference: str, device: torch.device, dtype: torch.dtype,
             f"unknown model '{reference}': not a model pack (see `specdecode models list`), local path, "
             f"or loadable hub id ({first[:200]})"
         ) from None
-    model = model.to(device).eval()
-    if runner == "int8":
-        from .runners.int8 import prepare_int8
-
-        prepare_int8(model)
-    return model, tokenizer
+    return factory.prepare_weights(model.to(device).eval(), runner), tokenizer
 
 
 def _load_llamacpp(reference: str, progress: bool) -> LoadedModel:
