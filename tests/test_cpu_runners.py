@@ -188,6 +188,31 @@ def test_llamacpp_is_refused_as_target():
         choose_runner("fast", torch.device("cpu"), torch.float32, "target")
 
 
+def test_factory_picks_the_runner_and_its_fast_path(monkeypatch, tmp_path, caplog):
+    from specdecode.runners import factory
+
+    cpu = torch.device("cpu")
+    assert choose_runner("auto", cpu, torch.float32, "target", gguf="m.gguf") == ("int8" if factory.int8_available() else "hf")
+    assert choose_runner("auto", cpu, torch.float64, "draft", gguf="m.gguf") == "hf"
+    monkeypatch.setattr(factory, "llamacpp_available", lambda: True)
+    monkeypatch.setattr(factory, "llamacpp_fast", lambda: True)
+    assert choose_runner("auto", cpu, torch.float32, "draft", gguf="m.gguf") == "llamacpp"
+    assert choose_runner("auto", cpu, torch.float32, "draft", gguf=None) != "llamacpp"
+    # a build that cannot decode the file: an error when asked for by name, else a warning and the fallback
+    monkeypatch.setattr(factory, "llamacpp_problem", lambda path, cache: "llama.cpp crashed decoding a probe (exit -11)")
+    with pytest.raises(SpecDecodeError, match="crashed decoding a probe.*rebuild it"):
+        factory.llamacpp_draft_file("m.gguf", True, "source", None, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="specdecode.runners.factory"):
+        assert factory.llamacpp_draft_file("m.gguf", False, "source", None, tmp_path) is None
+    assert "drafting on the int8 path instead" in caplog.text
+    assert factory.fallback_runner(torch.float32) == "int8" and factory.fallback_runner(torch.float64) == "hf"
+    with pytest.raises(SpecDecodeError, match="quantises from float32"):
+        factory.check_dtype("int8", torch.float64)
+    assert isinstance(hf_runner(prepare_int8(tiny_model("qwen2", seed=5, dtype=torch.float32))).fast, LeanForward)
+    assert hf_runner(prepare_int8(tiny_model("gpt2", seed=5, dtype=torch.float32))).fast is None
+    assert factory.build_runner("hf", tiny_model("qwen2", seed=5)).fast is None  # not on the int8 path
+
+
 DRAFT_PACK = packs.PACKS[packs.DEFAULT_DRAFT]
 
 
@@ -207,6 +232,18 @@ def test_llamacpp_runner_contract_on_the_draft_pack():
     assert torch.equal(first, again)
     whole = runner.prefill(ids[:, :36])
     assert torch.equal(whole.argmax(-1), first[:, -1].argmax(-1))
+    # the ragged calling convention with one row: rows=[0], counts, forward_last
+    assert runner.max_batch == 1 and not runner.supports_batches
+    runner.reset(1)
+    runner.prefill(ids[:, :30], rows=[0])
+    padded = runner.forward(torch.cat([ids[:, 30:36], ids[:, :2]], dim=1), rows=[0], counts=[6])  # [1, 8, V]
+    assert runner.lengths.tolist() == [36] and torch.equal(padded[:, :6], first) and not padded[:, 6:].any()
+    runner.truncate(torch.tensor([30]))
+    assert torch.equal(runner.forward_last(ids[:, 30:36], rows=[0], counts=[6]), first[:, -1])
+    for call in (lambda: runner.reset(2), lambda: runner.forward(ids[:, :2], rows=[1]),
+                 lambda: runner.prefill(ids[:, :4].repeat(2, 1))):
+        with pytest.raises(SpecDecodeError, match="decodes one row"):
+            call()
 
 
 @pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed")
