@@ -116,13 +116,13 @@ def test_plain_sampling_matches_target_joint():
 # -- negative controls: each broken rule must fail the same test -------------------------------
 
 
-def always_accept(draft_tokens, draft_probs, target_logits, params, generators):
+def always_accept(draft_tokens, draft_probs, target_logits, params, generators, draft_lengths=None):  # one row: its draft is the whole block
     k = draft_tokens.shape[1]
     bonus = sample(processed_probs(target_logits[:, k], params), generators[0])
     return VerifyResult(torch.full((draft_tokens.shape[0],), k), bonus)
 
 
-def bonus_from_draft(draft_tokens, draft_probs, target_logits, params, generators):
+def bonus_from_draft(draft_tokens, draft_probs, target_logits, params, generators, draft_lengths=None):  # one row: its draft is the whole block
     result = verify(draft_tokens, draft_probs, target_logits, params, generators)
     k = draft_tokens.shape[1]
     if int(result.num_accepted[0]) == k and draft_probs is not None:
@@ -130,7 +130,7 @@ def bonus_from_draft(draft_tokens, draft_probs, target_logits, params, generator
     return result
 
 
-def resample_from_target(draft_tokens, draft_probs, target_logits, params, generators):
+def resample_from_target(draft_tokens, draft_probs, target_logits, params, generators, draft_lengths=None):  # one row: its draft is the whole block
     result = verify(draft_tokens, draft_probs, target_logits, params, generators)
     n = int(result.num_accepted[0])
     if n < draft_tokens.shape[1]:
