@@ -14,6 +14,7 @@ from specdecode.drafters.hybrid import HybridDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import Request, SpecEngine
 from specdecode.stats import BatchStats
+from specdecode.runners.factory import hf_runner
 from specdecode.runners.hf import HFRunner
 from specdecode.runners.int8 import int8_available, prepare_int8
 from specdecode.sampling import processed_probs, sample
@@ -168,7 +169,7 @@ def test_int8_rows_are_bit_identical_alone_and_batched():
     import copy
 
     model = prepare_int8(tiny_model("qwen2", seed=3, vocab_size=VOCAB, dtype=torch.float32))
-    runner, alone = HFRunner(model), HFRunner(copy.deepcopy(model))
+    runner, alone = hf_runner(model), hf_runner(copy.deepcopy(model))  # the lean loop where it applies
     prompts = mixed_prompts(3, seed=4)
     runner.reset(3)
     for row, p in enumerate(prompts):

@@ -196,9 +196,9 @@ class SpeculativeGenerator:
         ``params.seed + its index`` (random when params.seed is None). A row gives the same
         tokens alone or in any batch for the same seed (fixed gamma, batch-invariant runners)."""
         params = params or SamplingParams(**_stop_tuple(sampling))
-        if batch_size > _max_batch(self.target_runner):
+        if batch_size > self.target_runner.max_batch:
             raise SpecDecodeError("the target runner decodes one row at a time", field="batch_size")
-        if self._draft_runner is not None and batch_size > _max_batch(self._draft_runner):
+        if self._draft_runner is not None and batch_size > self._draft_runner.max_batch:
             raise SpecDecodeError("the draft runner decodes one row at a time; batches need --draft-runner int8 or hf",
                                   field="batch_size")
         rows, texts = [], []
@@ -271,6 +271,3 @@ def _stop_tuple(sampling: dict) -> dict:
         sampling["stop"] = tuple(stop)
     return sampling
 
-
-def _max_batch(runner) -> int:  # TEMP until runners carry max_batch
-    return getattr(runner, "max_batch", 1 << 30 if getattr(runner, "supports_batches", False) else 1)

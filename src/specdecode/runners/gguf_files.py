@@ -117,8 +117,8 @@ def requantized_gguf(source: str, kind: str, cache_dir) -> str:
 
     Why: llama.cpp's Q4_0 kernels are the cheapest it has on x86; the shipped draft's Q4_K_M
     scores a token in 22.1 ms here, the same weights requantized to Q4_0 in 15.9 ms with a Q8_0
-    head (docs/benchmarks.md section 13), and in 11.2 against 13.8 ms once the head is Q4_0 too,
-    at the same acceptance (section 15). Requantizing an already quantized file loses a little
+    head (docs/benchmarks.md, "Draft weight format"), and in 11.2 against 13.8 ms once the head is Q4_0 too,
+    at the same acceptance (same section). Requantizing an already quantized file loses a little
     of the draft's agreement with the target, never exactness: only the drafter changes."""
     import llama_cpp
 

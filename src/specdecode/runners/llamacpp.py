@@ -54,7 +54,7 @@ class LlamaCppRunner:
             raise SpecDecodeError('the llamacpp runner needs llama-cpp-python: pip install "specdecode[llamacpp]"') from None
         threads = threads or max(1, len(os.sched_getaffinity(0)))
         # flash attention: a 160-token prompt prefill 531 -> 490 ms, a draft token 11.1 -> 10.8 ms
-        # (docs/benchmarks.md section 15)
+        # (docs/benchmarks.md, "Draft prefill on the int8 path")
         self.llm = Llama(gguf_path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
                          n_threads_batch=threads, logits_all=False, flash_attn=True, verbose=False)
         self._lib = llama_cpp

@@ -30,7 +30,7 @@ def llamacpp_available() -> bool:
 def llamacpp_fast() -> bool:
     """Whether this build is the fast draft path: on x86 only a build with AVX-512 kernels.
 
-    Measured on an AVX2-only build (docs/benchmarks.md section 8): a 0.5B draft token cost about
+    Measured on an AVX2-only build (docs/runners.md): a 0.5B draft token cost about
     what the int8 path costs (41-44 ms against 45-50 ms) and a 160-token prompt prefill 1.07 s
     against 0.26 s, so the int8 draft won (1.26x against 1.20x over plain decoding). With the
     native AVX-512 build of the first machine llama.cpp drafted at 28 ms against 42 ms and won
