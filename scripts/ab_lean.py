@@ -7,14 +7,14 @@ import statistics, sys, time, torch
 torch.set_num_threads(2)
 from specdecode import models
 from specdecode.runners.int8 import prepare_int8
+from specdecode.runners.factory import hf_runner
 from specdecode.runners.hf import HFRunner
 names = sys.argv[1:] or ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
 for which in names:
     lm = models.load(which, torch.device("cpu"), torch.float32, runner="hf", role="draft")
     prepare_int8(lm.model)
     ids = torch.randint(0, 30000, (4, 300), generator=torch.Generator().manual_seed(0))
-    runners = {"module": HFRunner(lm.model), "lean": HFRunner(lm.model)}
-    runners["module"]._lean_checked = True  # never takes the lean loop
+    runners = {"module": HFRunner(lm.model), "lean": hf_runner(lm.model)}  # the module path; the lean loop
     for r in runners.values():
         r.reset(4)
         for row in range(4):

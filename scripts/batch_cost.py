@@ -7,12 +7,12 @@
 import statistics, sys, time, torch
 torch.set_num_threads(2)
 from specdecode import models, packs
-from specdecode.runners.hf import HFRunner
+from specdecode.runners.factory import hf_runner
 from specdecode.runners.llamacpp import LlamaCppRunner, requantized_gguf
 
 alpha = float(sys.argv[1]) if len(sys.argv) > 1 else 0.9
-target = HFRunner(models.load(packs.DEFAULT_TARGET, torch.device("cpu"), torch.float32, runner="int8", role="target").model)
-draft = HFRunner(models.load(packs.DEFAULT_DRAFT, torch.device("cpu"), torch.float32, runner="int8", role="draft").model)
+target = hf_runner(models.load(packs.DEFAULT_TARGET, torch.device("cpu"), torch.float32, runner="int8", role="target").model)
+draft = hf_runner(models.load(packs.DEFAULT_DRAFT, torch.device("cpu"), torch.float32, runner="int8", role="draft").model)
 source = str(packs.ensure_assembled(packs.get_pack(packs.DEFAULT_DRAFT), progress=False))
 llama = LlamaCppRunner(requantized_gguf(source, "q4_0", packs.cache_dir()))
 ids = torch.randint(0, 30000, (8, 260), generator=torch.Generator().manual_seed(0))

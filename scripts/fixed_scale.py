@@ -6,7 +6,7 @@ import statistics, time, torch
 torch.set_num_threads(2)
 from specdecode import models
 from specdecode.runners import int8
-from specdecode.runners.hf import HFRunner
+from specdecode.runners.factory import hf_runner
 
 
 def anchor_matmul(packed, rows):  # the previous implementation (commit f930351), scratch block aside
@@ -20,7 +20,7 @@ def anchor_matmul(packed, rows):  # the previous implementation (commit f930351)
 
 fixed = int8._per_token_matmul
 loaded = models.load("qwen2.5-coder-1.5b-instruct", torch.device("cpu"), torch.float32, runner="int8", role="target")
-runner = HFRunner(loaded.model)
+runner = hf_runner(loaded.model)
 ids = torch.randint(0, 30000, (1, 300), generator=torch.Generator().manual_seed(0))
 
 

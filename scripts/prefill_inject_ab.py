@@ -7,14 +7,14 @@ import ctypes, struct, statistics, sys, time, numpy as np, torch
 torch.set_num_threads(2)
 import llama_cpp
 from specdecode import models, packs
-from specdecode.runners.hf import HFRunner
+from specdecode.runners.factory import hf_runner
 from specdecode.runners.llamacpp import LlamaCppRunner, requantized_gguf
 from specdecode.api import SpeculativeGenerator
 from specdecode.config import SamplingParams
 from specdecode.bench.suites import load_suite
 src = str(packs.ensure_assembled(packs.get_pack(packs.DEFAULT_DRAFT), progress=False))
 q = requantized_gguf(src, "q4_0", packs.cache_dir())
-H = HFRunner(models.load(packs.DEFAULT_DRAFT, torch.device("cpu"), torch.float32, runner="int8", role="draft").model)
+H = hf_runner(models.load(packs.DEFAULT_DRAFT, torch.device("cpu"), torch.float32, runner="int8", role="draft").model)
 
 class Injected(LlamaCppRunner):
     def prefill(self, ids):
@@ -30,7 +30,7 @@ class Injected(LlamaCppRunner):
         blob = b"".join(parts)
         self.reset(1)
         arr = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        assert llama_cpp.llama_state_seq_set_data(self.llm._ctx.ctx, arr, len(blob), 0) == len(blob)
+        assert llama_cpp.llama_state_seq_set_data(self.llm.ctx, arr, len(blob), 0) == len(blob)
         self._length = cells
         return logits
 
