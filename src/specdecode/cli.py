@@ -113,7 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(bench)
     _add_suite_args(bench, limit=10)
     bench.add_argument("--methods", default=None,
-                       help="comma-separated methods (default: ar,draft,draft-hf,ngram,hf,hf-assisted,hf-lookup)")
+                       help="comma-separated methods: ar, draft, draft-hf, draft-auto, ngram, hybrid, hf, hf-assisted, hf-lookup, "
+                       "llamacpp (llama-cpp-python over the target's GGUF), llamacpp-server, llamacpp-server-spec, endpoint "
+                       "(default: ar,draft,draft-hf,ngram,hf,hf-assisted,hf-lookup and those --llama-server / --endpoint add)")
+    bench.add_argument("--llama-server", default=None, metavar="PATH",
+                       help="a llama.cpp llama-server binary: methods llamacpp-server (plain) and llamacpp-server-spec "
+                       "(-md the draft's GGUF) run it over the target's GGUF on a free 127.0.0.1 port, stopped at the end")
+    bench.add_argument("--endpoint", default=None, metavar="URL",
+                       help="an OpenAI-compatible server (specdecode serve, llama-server, ...): method endpoint sends each "
+                       "prompt's text to URL/v1/completions (max_tokens, temperature, streaming off), timing the whole request")
     bench.add_argument("--batch-size", default=None,
                        help="batch sizes, e.g. 1,4,8: measure aggregate tokens/s of batched decoding instead "
                             "(methods ar, draft, ngram, hybrid, hf; default ar,draft,hf)")

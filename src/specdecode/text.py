@@ -93,3 +93,11 @@ class TextStream:
             if len(self.decode(self.token_ids[: before + kept])) >= end:
                 return kept
         return len(self.token_ids) - before
+
+
+def answer_text(tokenizer, prompt_ids: list[int], token_ids: list[int]) -> str:
+    """The text a whole answer decodes to after its prompt, as a stream of it would emit it."""
+    stream = TextStream(tokenizer, prompt_ids)
+    stream.push(list(token_ids))
+    stream.finish()
+    return stream.text

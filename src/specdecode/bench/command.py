@@ -14,6 +14,7 @@ from pathlib import Path
 from ..config import SamplingParams, SpecConfig, draft_prefill_for, parse_draft_vocab
 from ..errors import SpecDecodeError
 from . import harness, report
+from .anchors import ANCHOR_METHODS, SERVER_METHODS, Anchors
 from .methods import METHODS, NEEDS_DRAFT, BenchContext
 from .suites import load_suite
 
@@ -47,6 +48,23 @@ def _load(args):
         hf_draft = SpeculativeGenerator(spec.target, twin, gamma=args.gamma, runners=(spec.target_runner, None))
     sync = torch.cuda.synchronize if spec.target_runner.device.type == "cuda" else (lambda: None)
     return BenchContext(spec, plain, ngram, hf_draft, hybrid, auto, sync)
+
+
+def default_methods(args) -> str:
+    """DEFAULT_METHODS, plus the methods --llama-server and --endpoint make available."""
+    extra = [*(SERVER_METHODS if getattr(args, "llama_server", None) else ()), *(["endpoint"] if getattr(args, "endpoint", None) else [])]
+    return ",".join([DEFAULT_METHODS, *extra])
+
+
+def _anchors(args, methods: list[str]) -> Anchors | None:
+    """Check what the anchor methods need before the models load (a one-line error otherwise)."""
+    server, endpoint = getattr(args, "llama_server", None), getattr(args, "endpoint", None)
+    for flag, value, uses in (("--llama-server", server, SERVER_METHODS), ("--endpoint", endpoint, ("endpoint",))):
+        if value is not None and not set(uses) & set(methods):
+            log.warning("%s is given but no method uses it (add %s to --methods)", flag, " or ".join(uses))
+    if not set(ANCHOR_METHODS) & set(methods):
+        return None
+    return Anchors(methods, args.target, args.draft, server, endpoint)
 
 
 def parse_methods(text: str, has_draft: bool) -> list[str]:
@@ -126,15 +144,23 @@ def run_command(args, params: SamplingParams, command_line: str) -> str:
                               field="drafter")
     has_draft = args.draft is not None and args.draft.lower() not in ("none", "ngram")
     if args.batch_sizes:
+        if getattr(args, "llama_server", None) or getattr(args, "endpoint", None):
+            raise SpecDecodeError("--llama-server and --endpoint time single requests; leave out --batch-size", field="batch_size")
         return run_batch_command(args, params, command_line, has_draft)
-    methods = parse_methods(args.methods or DEFAULT_METHODS, has_draft) if args.command == "bench" else ["ar", "draft"]
+    methods = parse_methods(args.methods or default_methods(args), has_draft) if args.command == "bench" else ["ar", "draft"]
     if args.command == "tune" and not has_draft:
         raise SpecDecodeError("tune needs a --draft model", field="draft")
     prompts = load_suite(args.suite, args.limit, args.offset)
-    ctx = _load(args)
-    from tqdm import tqdm
+    anchors = _anchors(args, methods)
+    try:
+        ctx = _load(args)
+        ctx.anchors = anchors
+        from tqdm import tqdm
 
-    result = harness.run_suite(ctx, prompts, methods, params, progress=lambda total: tqdm(total=total, desc="prompts", file=sys.stderr))
+        result = harness.run_suite(ctx, prompts, methods, params, progress=lambda total: tqdm(total=total, desc="prompts", file=sys.stderr))
+    finally:
+        if anchors is not None:
+            anchors.close()
     result["config"] = {
         "command": command_line, "target": args.target, "draft": args.draft, "gamma": args.gamma,
         "device": args.device, "dtype": args.dtype, "suite": args.suite, "prompts": len(prompts), "offset": args.offset,
@@ -143,6 +169,7 @@ def run_command(args, params: SamplingParams, command_line: str) -> str:
         "runner": ctx.spec.target.runner, "draft_runner": ctx.spec.draft.runner if ctx.spec.draft else None,
         "draft_gguf": _draft_gguf(ctx),
         "hf_defaults": "assisted: transformers defaults; lookup: prompt_lookup_num_tokens=10",
+        "anchors": anchors.describe() if anchors is not None else None,
     }
     if has_draft and not getattr(args, "no_cost_model", False):
         harness.attach_cost_model(result, ctx, prompts, args.gamma)

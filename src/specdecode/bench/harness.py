@@ -5,7 +5,9 @@ Glossary:
   every method alike;
 - *pairwise speedup*: method tokens/s over baseline tokens/s on the same prompt; summarised by
   geometric mean, min and max;
-- *mismatch*: under greedy, a prompt where a method's tokens differ from ``ar``'s.
+- *mismatch*: under greedy, a prompt where a method's tokens differ from ``ar``'s;
+- *same text*: for a method outside our engine (``MethodRun.text`` set), under greedy, a prompt
+  where its answer text equals ``ar``'s; counted, not held against it (bench.anchors).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 from typing import Callable, Sequence
 
 from ..config import SamplingParams
+from ..text import answer_text
 from .methods import METHODS, BenchContext, MethodRun
 from .suites import Prompt
 
@@ -31,6 +34,8 @@ def run_suite(
     encoded = [ctx.spec.encode(p.text, chat=p.chat) for p in prompts]
     for ids in encoded:
         ctx.spec.engine.check_fits(len(ids), params.max_new_tokens)
+    if ctx.anchors is not None:
+        ctx.anchors.reserve(max(len(ids) for ids in encoded) + params.max_new_tokens)
     warm = params.warmup(WARMUP_TOKENS)
     for name in methods:
         METHODS[name](ctx, encoded[0], warm)
@@ -39,7 +44,7 @@ def run_suite(
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
         order = list(methods[i % len(methods):]) + list(methods[: i % len(methods)])
         runs = {name: METHODS[name](ctx, ids, params) for name in order}
-        per_prompt.append(_prompt_row(prompt, ids, runs, order, params))
+        per_prompt.append(_prompt_row(prompt, ids, runs, order, params, lambda tokens: answer_text(ctx.spec.tokenizer, ids, tokens)))
         if bar:
             bar.update(1)
     if bar:
@@ -47,19 +52,28 @@ def run_suite(
     return {"methods": {name: summarise(name, per_prompt) for name in methods}, "per_prompt": per_prompt}
 
 
-def _prompt_row(prompt: Prompt, ids: list[int], runs: dict[str, MethodRun], order: list[str], params) -> dict:
-    reference = runs.get("ar")
+def _prompt_row(prompt: Prompt, ids: list[int], runs: dict[str, MethodRun], order: list[str], params,
+                decode: Callable[[list[int]], str]) -> dict:
+    """decode: answer token ids -> their text (what ar's answer is compared with as text)."""
+    reference = runs.get("ar") if params.greedy else None
+    reference_text = None
     row = {"prompt_id": prompt.id, "prompt_tokens": len(ids), "order": order, "methods": {}}
     for name, run in runs.items():
         entry = {
-            "new_tokens": len(run.tokens),
+            "new_tokens": run.new_tokens,
             "wall_seconds": run.wall_seconds,
-            "tokens_per_second": len(run.tokens) / run.wall_seconds if run.wall_seconds > 0 else 0.0,
+            "tokens_per_second": run.new_tokens / run.wall_seconds if run.wall_seconds > 0 else 0.0,
             "stats": run.stats,
         }
-        if params.greedy and reference is not None:
+        if reference is not None and run.text is None:
             entry["mismatch"] = run.tokens != reference.tokens
+        if reference is not None and run.text is not None:
+            reference_text = decode(reference.tokens) if reference_text is None else reference_text
+            entry["same_text"] = run.text == reference_text
+        if reference is not None and (run.text is None or run.tokens):
             entry["first_divergence"] = _first_divergence(run.tokens, reference.tokens)
+        if run.extra:
+            entry["extra"] = run.extra
         row["methods"][name] = entry
     return row
 
@@ -94,6 +108,8 @@ def summarise(name: str, rows: list[dict]) -> dict:
         "speedup_vs_ar": _ratios(name, "ar", rows),
         "speedup_vs_hf_assisted": _ratios(name, "hf-assisted", rows),
         "mismatches": sum(1 for e in entries if e.get("mismatch")) if "mismatch" in entries[0] else None,
+        "same_text_as_ar": sum(1 for e in entries if e.get("same_text")) if "same_text" in entries[0] else None,
+        "prompts": len(entries),
         "acceptance_rate": None,
         "tokens_per_target_forward": None,
         "accepted_by_position": None,

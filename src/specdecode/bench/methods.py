@@ -9,7 +9,9 @@ Glossary:
 - ``draft-auto``: the draft model with the adaptive draft length (``--gamma auto``, which brings
   the 0.7 confidence stop unless ``--draft-confidence`` is given);
 - ``hf``, ``hf-assisted``, ``hf-lookup``: transformers ``generate`` plain, with the draft as
-  ``assistant_model``, and with ``prompt_lookup_num_tokens`` (Hugging Face's defaults otherwise).
+  ``assistant_model``, and with ``prompt_lookup_num_tokens`` (Hugging Face's defaults otherwise);
+- ``llamacpp``, ``llamacpp-server``, ``llamacpp-server-spec``, ``endpoint``: runs outside our
+  engine, registered by ``bench.anchors`` (see its glossary).
 A drafter added later registers its method with ``@register("name")``.
 """
 
@@ -36,6 +38,7 @@ class BenchContext:
     hybrid: SpeculativeGenerator | None = None  # lookup when it finds a continuation, else the draft
     auto: SpeculativeGenerator | None = None  # the draft model with adaptive gamma
     sync: Callable[[], None] = lambda: None
+    anchors: object | None = None  # bench.anchors.Anchors when an anchor method runs
 
     @property
     def hf_draft_model(self):
@@ -48,7 +51,13 @@ class MethodRun:
     tokens: list[int]
     wall_seconds: float
     stats: dict | None = None  # our engine's stats; None for Hugging Face methods
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # what a method outside our engine reports (server timings)
+    text: str | None = None  # the answer's text, for methods outside our engine (compared with ar's as text)
+    token_count: int | None = None  # new tokens where the ids are not known (tokens is then empty)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens) if self.token_count is None else self.token_count
 
 
 Method = Callable[[BenchContext, list[int], SamplingParams], MethodRun]
@@ -140,4 +149,4 @@ def run_hf_lookup(ctx: BenchContext, prompt_ids: list[int], params: SamplingPara
     return _hf(ctx, prompt_ids, params, prompt_lookup_num_tokens=HF_LOOKUP_TOKENS)
 
 
-NEEDS_DRAFT = {"draft", "draft-hf", "draft-auto", "hybrid", "hf-assisted"}
+NEEDS_DRAFT = {"draft", "draft-hf", "draft-auto", "hybrid", "hf-assisted", "llamacpp-server-spec"}

@@ -16,7 +16,7 @@ def _num(v, fmt="{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-COLUMNS = ("method", "tok/s", "vs ar (geo [min-max])", "vs hf-assisted", "accept", "tok/fwd", "mismatches")
+COLUMNS = ("method", "tok/s", "vs ar (geo [min-max])", "vs hf-assisted", "accept", "tok/fwd", "mismatches", "same text as ar")
 
 
 def table_rows(result: dict) -> list[tuple[str, ...]]:
@@ -30,6 +30,7 @@ def table_rows(result: dict) -> list[tuple[str, ...]]:
             _num(m["acceptance_rate"]),
             _num(m["tokens_per_target_forward"]),
             "-" if m["mismatches"] is None else str(m["mismatches"]),
+            "-" if m.get("same_text_as_ar") is None else f"{m['same_text_as_ar']}/{m['prompts']}",
         ))
     return rows
 
