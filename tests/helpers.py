@@ -140,3 +140,32 @@ def decode(engine, prompt, params, eos_ids=(), generator=None, stats=None):
         generator = seeded_generator(0 if params.seed is None else params.seed)
     request = Request(ids, params.max_new_tokens, generator, stats if stats is not None else GenerationStats())
     return engine.generate([request], params, eos_ids, batch_size=1)
+
+
+def serve_in_thread(app):
+    """Run an ASGI app on a free 127.0.0.1 port in a thread; a context manager yielding the port."""
+    import contextlib
+    import threading
+    import time
+
+    import uvicorn
+
+    from specdecode.bench.llama_server import free_port
+
+    @contextlib.contextmanager
+    def running():
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.time() + 30
+        while not server.started and time.time() < deadline:
+            time.sleep(0.05)
+        assert server.started
+        try:
+            yield port
+        finally:
+            server.should_exit = True
+            thread.join(10)
+
+    return running()

@@ -4,8 +4,6 @@ an OpenAI-compatible endpoint (``specdecode serve`` live on 127.0.0.1), and thei
 import json
 import os
 import sys
-import threading
-import time
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models import LoadedModel
 from specdecode.runners.llamacpp import llamacpp_available
 
-from helpers import char_tokenizer, tiny_model
+from helpers import char_tokenizer, serve_in_thread, tiny_model
 
 PROMPTS = ["def f(x):", "hello", "abc abc ab", "x = [1, 2"]  # the third one's answer ends (token 2) at 10 tokens
 
@@ -218,25 +216,14 @@ def test_llama_server_that_fails_to_start_is_one_line(tiny, fake_server, monkeyp
 @pytest.fixture(scope="module")
 def serve(tiny):
     """``specdecode serve``'s app over the same weights, in float64, live on 127.0.0.1."""
-    import uvicorn
-
     from specdecode.server.app import create_app
 
     model = tiny_model("qwen2", seed=7, vocab_size=len(tiny["tok"].get_vocab()))  # float64 copy of the same init
     model.save_pretrained(tiny["root"] / "model")
     tiny["tok"].save_pretrained(tiny["root"] / "model")
     app = create_app(SpeculativeGenerator(LoadedModel("t", model, tiny["tok"]), None), "tiny")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield f"http://127.0.0.1:{port}/v1/"
-    server.should_exit = True
-    thread.join(10)
+    with serve_in_thread(app) as port:
+        yield f"http://127.0.0.1:{port}/v1/"
 
 
 def test_endpoint_method_end_to_end_against_specdecode_serve(tiny, serve, tmp_path, capsys):

@@ -4,26 +4,17 @@ import concurrent.futures
 import json
 import logging
 import re
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from specdecode import SpeculativeGenerator
 from specdecode.models import LoadedModel
 from specdecode.server.app import create_app
 
-from helpers import char_tokenizer, perturbed, tiny_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import char_tokenizer, perturbed, serve_in_thread, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +30,8 @@ def models():
 @pytest.fixture(scope="module")
 def server(models):
     app = create_app(SpeculativeGenerator(*models, gamma=3), "tiny")
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(10)
+    with serve_in_thread(app) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")

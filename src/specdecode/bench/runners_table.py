@@ -48,6 +48,7 @@ def runner_table(reference: str, with_llamacpp: bool = True) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from ..models import gguf_source, resolve
+    from ..runners.factory import hf_runner
     from ..runners.hf import HFRunner
     from ..runners.int8 import prepare_int8
     from ..runners.llamacpp import LlamaCppRunner, llamacpp_available
@@ -55,7 +56,7 @@ def runner_table(reference: str, with_llamacpp: bool = True) -> list[dict]:
     location, extra = resolve(reference)
     model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **extra).eval()
     rows = [{"path": "fp32 (transformers, SDPA)", **measure(HFRunner(model))}]
-    rows.append({"path": "int8 per-token + row-wise attention (specdecode int8)", **measure(HFRunner(prepare_int8(model)))})
+    rows.append({"path": "int8 per-token + row-wise attention (specdecode int8)", **measure(hf_runner(prepare_int8(model)))})
     del model
     gguf = gguf_source(reference)
     if with_llamacpp and llamacpp_available() and gguf is not None and gguf.is_file():
