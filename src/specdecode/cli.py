@@ -149,6 +149,21 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--target", default=packs.DEFAULT_TARGET, help="model reference (default: %(default)s)")
     table.add_argument("--out", default=None, help="write the JSON rows here too")
 
+    load = sub.add_parser("loadtest", help="drive a running server with concurrent streaming clients")
+    load.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    load.add_argument("--model", default=None, help="model id to ask for (default: the first GET /v1/models lists)")
+    load.add_argument("--concurrency", default="1,2,4,8", help="requests in flight per level, comma-separated (default: %(default)s)")
+    load.add_argument("--variants", default="default",
+                      help="comma-separated: default (no drafter field) or a drafter sent per request: model, ngram, "
+                           "hybrid, none (default: %(default)s)")
+    _add_suite_args(load, limit=16)
+    load.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default: %(default)s)")
+    load.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    load.add_argument("--seed", type=int, default=None, help="seed sent with every request (default: none)")
+    load.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: every answer max-tokens long")
+    load.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default: %(default)s)")
+    load.add_argument("--out", default="loadtest-out", help="folder for loadtest.json and the plots (default: %(default)s)")
+
     mod = sub.add_parser("models", help="list model packs or print a pack's file path")
     mod_sub = mod.add_subparsers(dest="models_command", parser_class=_Parser)
     mod_sub.add_parser("list", help="packs and whether they are installed and cached")
@@ -179,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(rows, f, indent=2)
+            return 0
+        if args.command == "loadtest":
+            from .bench.loadtest import command as loadtest
+
+            print(loadtest(args))
             return 0
         if args.command == "quality":
             return _quality(args)
