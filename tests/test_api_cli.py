@@ -81,13 +81,13 @@ def test_a_per_request_gamma_keeps_its_engine_and_confidence_stop(generators):
     spec, plain = generators
     ref = plain.generate("hello world", max_new_tokens=40)
     first = spec.generate("hello world", max_new_tokens=40, gamma="auto")
-    engine = spec._engine_for("auto")
+    engine = spec.engine_for("auto")
     assert engine is not spec.engine and engine.config.stop_confidence == 0.7
     assert engine.policy.answer_lengths and engine.policy.costs.passes  # the request's measurements stay
     again = spec.generate("hello world", max_new_tokens=40, gamma="auto")
-    assert spec._engine_for("auto") is engine and len(engine.policy.answer_lengths) == 2
+    assert spec.engine_for("auto") is engine and len(engine.policy.answer_lengths) == 2
     assert first.token_ids == again.token_ids == ref.token_ids
-    assert spec._engine_for(4) is spec.engine  # the generator's own setting
+    assert spec.engine_for(4) is spec.engine  # the generator's own setting
 
 
 def test_chat_template_is_applied(generators):

@@ -24,7 +24,7 @@ from .drafters import make_drafter
 from .engine import Request, SpecEngine
 from .errors import SpecDecodeError
 from .sampling import seeded_generator
-from .results import BatchResult, GenerationResult, GenerationStream, StreamChunk
+from .results import BatchResult, GenerationResult, GenerationStream, StreamChunk, chunk_of_step
 from .stats import BatchStats
 from .text import TextStream
 
@@ -125,8 +125,11 @@ class SpeculativeGenerator:
     def _engine(self, config: SpecConfig) -> SpecEngine:
         return SpecEngine(self.target_runner, self.drafter, config, sync=self._sync)
 
-    def _engine_for(self, gamma: int | str) -> SpecEngine:
-        """The engine of a per-request gamma, kept so an adaptive one's estimates carry over."""
+    def engine_for(self, gamma: int | str | None) -> SpecEngine:
+        """The engine of a per-request gamma (None: the generator's own), kept so an adaptive
+        one's estimates carry over."""
+        if gamma is None:
+            return self.engine
         config = SpecConfig(gamma=gamma, draft_confidence=self.spec_config.draft_confidence)
         if config == self.spec_config:
             return self.engine
@@ -166,7 +169,7 @@ class SpeculativeGenerator:
     ) -> GenerationStream:
         """Start a request; iterate the returned stream for text as it is committed."""
         params = params or SamplingParams(**_stop_tuple(sampling))
-        engine = self.engine if gamma is None else self._engine_for(gamma)
+        engine = self.engine_for(gamma)
         prompt_ids = self.encode(prompt, chat)
         engine.check_fits(len(prompt_ids), params.max_new_tokens)
         stream = GenerationStream(iter(()))
@@ -218,17 +221,11 @@ class SpeculativeGenerator:
         stats = BatchStats()
         finish: list[str | None] = [None] * len(rows)
         for step in self.engine.generate(rows, params, params.stopping_ids(self.eos_ids), batch_size=batch_size, stats=stats):
-            text = texts[step.index]
-            delta = text.push(step.tokens)
-            if delta.stopped:
-                rows[step.index].stats.new_tokens -= len(step.tokens) - delta.kept_tokens
-                stats.new_tokens -= len(step.tokens) - delta.kept_tokens
-                rows[step.index].cancelled = True
-                finish[step.index] = "stop"
-            elif step.finish_reason is not None:
-                finish[step.index] = step.finish_reason
-            if finish[step.index] is not None:
-                text.finish()
+            row = rows[step.index]
+            chunk = chunk_of_step(texts[step.index], row.stats, step)
+            stats.new_tokens -= len(step.tokens) - len(chunk.token_ids)
+            finish[step.index] = chunk.finish_reason
+            row.cancelled = chunk.finish_reason is not None
         results = [GenerationResult(t.text, list(t.token_ids), f or "length", len(r.prompt_ids), r.stats)
                    for t, r, f in zip(texts, rows, finish)]
         return BatchResult(results, stats)
@@ -242,19 +239,13 @@ class SpeculativeGenerator:
         t0 = time.perf_counter()
         try:
             for step in steps:
-                delta = text.push(step.tokens)
-                kept = step.tokens[: delta.kept_tokens]
-                if delta.stopped:
-                    stats.new_tokens -= len(step.tokens) - delta.kept_tokens
-                    finish = "stop"
-                    yield StreamChunk(delta.text + text.finish(), kept, finish)
+                chunk = chunk_of_step(text, stats, step)
+                if chunk.finish_reason is not None:
+                    finish = chunk.finish_reason
+                    yield chunk
                     return
-                if step.finish_reason is not None:
-                    finish = step.finish_reason
-                    yield StreamChunk(delta.text + text.finish(), kept, finish)
-                    return
-                if delta.text or kept:
-                    yield StreamChunk(delta.text, kept, None)
+                if chunk.text or chunk.token_ids:
+                    yield chunk
         finally:
             steps.close()
             stats.wall_seconds = time.perf_counter() - t0

@@ -6,9 +6,13 @@ Glossary:
   but this one; each step feeds it together with the draft, so a step of k drafted tokens is
   one target pass over k + 1 positions, whose logits score the k drafts and the bonus.
 - *accepted / rejected / bonus / residual*: see ``specdecode.verify``.
-- *slot*: a row of the runners' caches. ``generate`` runs requests in ``batch_size`` slots; a
-  finished request's slot takes the next one from the queue. One request is a batch of one on
-  the same path: every call to a drafter or runner names its slots.
+- *slot*: a row of the runners' caches. A ``Batch`` holds requests in its slots: one joins a free
+  slot between steps (``add``) and leaves at the end of the step in which it ends. ``generate``
+  runs a list of requests through a batch, refilling freed slots from its queue; the server's
+  scheduler feeds one as requests arrive. One request is a batch of one on the same path: every
+  call to a drafter or runner names its slots.
+- *sampling group*: the rows of a step drawn with the same temperature, top-k and top-p; each
+  group is drafted and verified with its own settings, all in the one target pass.
 - *drafting row*: a request whose drafter has started (the policy may defer a start).
 
 With no drafter every step drafts nothing and the same loop is plain autoregressive decoding,
@@ -48,6 +52,8 @@ class Request:
     generator: torch.Generator
     stats: GenerationStats = field(default_factory=GenerationStats)
     cancelled: bool = False
+    params: SamplingParams | None = None  # its own sampling settings (None: the batch's)
+    eos_ids: Sequence[int] | None = None  # its own end tokens (None: the batch's)
 
 
 @dataclass
@@ -64,6 +70,8 @@ class _Row:
     request: Request
     context: list[int]  # committed tokens, the pending one last
     started: float
+    params: SamplingParams
+    eos: set[int]
     drafting: bool = False  # the drafter holds this request
     start_after: int = 0  # plain tokens before the drafter starts (policy.start_after)
 
@@ -88,6 +96,7 @@ class SpecEngine:
         self.verifier = verifier
         self._sync = sync or (lambda: None)
         self.policy = AdaptiveGamma(max_gamma=config.max_gamma) if config.adaptive else FixedGamma(int(config.gamma))
+        self.last_draft_length = 0  # the draft length the policy chose for the last step
 
     def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
         limit = self.target.max_context
@@ -98,48 +107,44 @@ class SpecEngine:
                 field="max_new_tokens" if prompt_length < limit else "prompt",
             )
 
+    def batch(self, slots: int, params: SamplingParams, eos_ids: Sequence[int] = (),
+              stats: BatchStats | None = None) -> "Batch":
+        """An empty running batch of ``slots`` rows; ``params`` and ``eos_ids`` serve requests
+        that bring none of their own. It resets the runners: one batch runs on them at a time."""
+        if slots < 1 or slots > self.max_batch:
+            raise SpecDecodeError(f"a batch takes 1..{self.max_batch} rows here, got {slots}", field="batch_size")
+        return Batch(self, slots, params, eos_ids, stats if stats is not None else BatchStats())
+
+    @property
+    def max_batch(self) -> int:
+        """The most rows the runners decode together."""
+        return min(self.target.max_batch, self.drafter.max_batch if self.drafter is not None else self.target.max_batch)
+
+    def check_request(self, request: Request) -> None:
+        if len(request.prompt_ids) < 1:
+            raise SpecDecodeError("prompt is empty", field="prompt")
+        self.check_fits(len(request.prompt_ids), request.max_new_tokens)
+
     def generate(self, requests: Sequence[Request], params: SamplingParams, eos_ids: Sequence[int] = (),
                  batch_size: int = 8, stats: BatchStats | None = None) -> Iterator[RowStep]:
         """Decode every request, ``batch_size`` at a time; yield each row's committed tokens per
-        step until EOS, its budget or cancellation. ``params`` supplies the shared sampling
-        settings (temperature, top-k, top-p); budgets and random streams are per request."""
+        step until EOS, its budget or cancellation. ``params`` and ``eos_ids`` apply to the
+        requests that bring none of their own; budgets and random streams are per request."""
         if batch_size < 1:
             raise SpecDecodeError("batch_size must be at least 1", field="batch_size")
         for request in requests:
-            if len(request.prompt_ids) < 1:
-                raise SpecDecodeError("prompt is empty", field="prompt")
-            self.check_fits(len(request.prompt_ids), request.max_new_tokens)
-        slots = max(1, min(batch_size, len(requests)))
-        batch = stats if stats is not None else BatchStats()
-        batch.batch_size = slots
+            self.check_request(request)
+        batch = self.batch(max(1, min(batch_size, len(requests))), params, eos_ids, stats)
         queue = deque(enumerate(requests))
-        rows: list[_Row | None] = [None] * slots
-        eos = set(int(t) for t in eos_ids)
-        started = time.perf_counter()
-        self.target.reset(slots)
-        if self.drafter is not None:
-            self.drafter.reset(slots)
         try:
-            for slot in range(slots):
-                if queue:
-                    rows[slot] = self._admit(slot, *queue.popleft())
-            while any(rows):
-                active = [r for r in rows if r is not None]
-                batch.target_forwards += 1
-                batch.rows_per_forward += (len(active) - batch.rows_per_forward) / batch.target_forwards
-                for row, step in self._step(active, params, eos):
-                    batch.new_tokens += len(step.tokens)
-                    batch.wall_seconds = time.perf_counter() - started
-                    yield step
-                    if step.finish_reason is not None or row.request.cancelled:
-                        rows[row.slot] = self._admit(row.slot, *queue.popleft()) if queue else None
+            while queue or batch.active:
+                while queue and batch.free_slots():
+                    batch.add(*queue.popleft())
+                yield from batch.step()
         finally:
-            batch.wall_seconds = time.perf_counter() - started
-            for row in rows:
-                if row is not None:
-                    row.request.stats.wall_seconds = time.perf_counter() - row.started
+            batch.close()
 
-    def _step(self, rows: list[_Row], params: SamplingParams, eos: set[int]) -> Iterator[tuple[_Row, RowStep]]:
+    def _step(self, rows: list[_Row]) -> Iterator[tuple[_Row, RowStep]]:
         """One engine step over the active rows, in numbered phases."""
         # 1. plan: start deferred drafters whose time has come; one draft length for the step
         for row in rows:
@@ -148,14 +153,17 @@ class SpecEngine:
                 self._start_drafter(row)
         drafting = [r for r in rows if r.drafting]
         k = self.policy.choose([r.remaining for r in drafting], rows=len(rows)) if drafting else 0
+        self.last_draft_length = k
         limits = [min(k, r.remaining - 1) if r.drafting else 0 for r in rows]
         held = [j for j, limit in enumerate(limits) if limit > 0]  # the rows that draft this step
         t0 = time.perf_counter()
-        # 2. propose
-        draft = self._propose(rows, held, limits, params)
+        # 2. propose, one call per group of rows sampled alike
+        groups = _sampling_groups(rows)
+        drafts = [self._propose([rows[j] for j in group], [limits[j] for j in group]) for group in groups]
+        draft = _joined(drafts, groups, len(rows))
         t1 = time.perf_counter()
         # 3. verify: one target pass over each row's [pending, drafts...]
-        result = self._verify(rows, draft, params)
+        result = self._verify(rows, groups, drafts, draft)
         t2 = time.perf_counter()
         # 4. commit / rollback both caches to each row's pending + accepted tokens
         self._commit(rows, held, result)
@@ -170,14 +178,14 @@ class SpecEngine:
             stats.record_step(draft.lengths[j], accepted[j])
             new_tokens = [int(t) for t in draft.tokens[j, : accepted[j]]] + [int(result.next_tokens[j])]
             row.context.extend(new_tokens)
-            new_tokens, finish = _stop_check(new_tokens, eos, row.remaining)
+            new_tokens, finish = _stop_check(new_tokens, row.eos, row.remaining)
             stats.new_tokens += len(new_tokens)
             stats.wall_seconds = time.perf_counter() - row.started
             if finish is not None:  # (before the yield: a consumer may stop at the last step)
                 self.policy.finished(stats.new_tokens)
             yield row, RowStep(row.index, new_tokens, finish)
 
-    def _admit(self, slot: int, index: int, request: Request) -> _Row:
+    def _admit(self, slot: int, index: int, request: Request, params: SamplingParams, eos: set[int]) -> _Row:
         """Cache every prompt token but the last (the first pending token) in ``slot``."""
         t0 = time.perf_counter()
         gamma = self.config.longest_draft if self.drafter is not None else 0
@@ -185,7 +193,7 @@ class SpecEngine:
         request.stats.drafted_by_position = [0] * gamma
         ids = [int(t) for t in request.prompt_ids]
         cache_all_but_last(self.target, [ids], rows=[slot])
-        row = _Row(slot, index, request, ids, t0)
+        row = _Row(slot, index, request, ids, t0, params, eos)
         if self.drafter is not None:
             row.start_after = self.policy.start_after(len(ids), request.max_new_tokens)
             if row.start_after == 0:
@@ -205,19 +213,33 @@ class SpecEngine:
         if row.request.stats.new_tokens:  # a deferred start: the request's prefill is already counted
             row.request.stats.prefill_seconds += seconds
 
-    def _propose(self, rows: list[_Row], held: list[int], limits: list[int], params: SamplingParams) -> Draft:
+    def _propose(self, rows: list[_Row], limits: list[int]) -> Draft:
+        """The draft of rows sampled alike (the ones with a limit of 0 propose nothing)."""
+        held = [j for j, limit in enumerate(limits) if limit > 0]
         if not held:
             return Draft.empty(len(rows))
         draft = self.drafter.propose([rows[j].slot for j in held], [rows[j].context for j in held],
-                                     [limits[j] for j in held], params, [rows[j].request.generator for j in held],
-                                     min_confidence=self.config.stop_confidence)
+                                     [limits[j] for j in held], rows[held[0]].params,
+                                     [rows[j].request.generator for j in held], min_confidence=self.config.stop_confidence)
         self._sync()
         return draft if len(held) == len(rows) else spread(draft, held, len(rows))
 
-    def _verify(self, rows: list[_Row], draft: Draft, params: SamplingParams) -> VerifyResult:
+    def _verify(self, rows: list[_Row], groups: list[list[int]], drafts: list[Draft], draft: Draft) -> VerifyResult:
+        """One target pass over every row; each group of rows sampled alike is verified with its settings."""
         block = torch.cat([torch.tensor([[r.context[-1]] for r in rows]), draft.tokens.cpu()], dim=1)  # [n, k'+1]
         target_logits = self.target.forward(block, rows=[r.slot for r in rows], counts=[1 + n for n in draft.lengths])
-        result = self.verifier(draft.tokens.to(target_logits.device), draft.probs, target_logits, params,
+        if len(groups) == 1:
+            return self._verify_group(rows, drafts[0], target_logits)
+        num_accepted = torch.zeros(len(rows), dtype=torch.long)
+        next_tokens = torch.zeros(len(rows), dtype=torch.long)
+        for group, group_draft in zip(groups, drafts):
+            width = group_draft.tokens.shape[1] + 1
+            part = self._verify_group([rows[j] for j in group], group_draft, target_logits[group, :width])
+            num_accepted[group], next_tokens[group] = part.num_accepted.cpu(), part.next_tokens.cpu()
+        return VerifyResult(num_accepted, next_tokens)
+
+    def _verify_group(self, rows: list[_Row], draft: Draft, target_logits: torch.Tensor) -> VerifyResult:
+        result = self.verifier(draft.tokens.to(target_logits.device), draft.probs, target_logits, rows[0].params,
                                [r.request.generator for r in rows], draft_lengths=draft.lengths)
         self._sync()
         return result
@@ -230,6 +252,95 @@ class SpecEngine:
         self.target.truncate(lengths)
         if held:
             self.drafter.commit([rows[j].slot for j in held], result.num_accepted[held])
+
+
+class Batch:
+    """A running batch (glossary: slot): requests join with ``add``, which prefills the prompt
+    into a free slot at once, and leave at the end of the step in which they end, or at the next
+    step once cancelled; ``step`` runs one engine step over every row."""
+
+    def __init__(self, engine: SpecEngine, slots: int, params: SamplingParams, eos_ids: Sequence[int], stats: BatchStats):
+        self.engine, self.params, self.stats = engine, params, stats
+        self.eos = set(int(t) for t in eos_ids)
+        self.rows: list[_Row | None] = [None] * slots
+        self.draft_length = 0  # the draft length of the last step
+        stats.batch_size = slots
+        self.started = time.perf_counter()
+        engine.target.reset(slots)
+        if engine.drafter is not None:
+            engine.drafter.reset(slots)
+
+    @property
+    def active(self) -> int:
+        return sum(row is not None for row in self.rows)
+
+    def free_slots(self) -> list[int]:
+        self._release_cancelled()
+        return [slot for slot, row in enumerate(self.rows) if row is None]
+
+    def add(self, index: int, request: Request) -> None:
+        """Admit ``request`` (``index`` names it in the RowSteps) into a free slot."""
+        self.engine.check_request(request)
+        free = self.free_slots()
+        if not free:
+            raise SpecDecodeError("the batch is full", field="batch_size")
+        eos = self.eos if request.eos_ids is None else set(int(t) for t in request.eos_ids)
+        self.rows[free[0]] = self.engine._admit(free[0], index, request, request.params or self.params, eos)
+
+    def step(self) -> list[RowStep]:
+        """One step over every row; rows that end in it leave the batch."""
+        self._release_cancelled()
+        active = [row for row in self.rows if row is not None]
+        if not active:
+            return []
+        batch = self.stats
+        batch.target_forwards += 1
+        batch.rows_per_forward += (len(active) - batch.rows_per_forward) / batch.target_forwards
+        steps = []
+        for row, step in self.engine._step(active):
+            batch.new_tokens += len(step.tokens)
+            steps.append(step)
+            if step.finish_reason is not None:
+                self._release(row)
+        self.draft_length = self.engine.last_draft_length
+        batch.wall_seconds = time.perf_counter() - self.started
+        return steps
+
+    def close(self) -> None:
+        for row in self.rows:
+            if row is not None:
+                self._release(row)
+        self.stats.wall_seconds = time.perf_counter() - self.started
+
+    def _release(self, row: _Row) -> None:
+        row.request.stats.wall_seconds = time.perf_counter() - row.started
+        self.rows[row.slot] = None
+
+    def _release_cancelled(self) -> None:
+        for row in self.rows:
+            if row is not None and row.request.cancelled:
+                self._release(row)
+
+
+def _sampling_groups(rows: list[_Row]) -> list[list[int]]:
+    """Positions of the rows, grouped by the settings their tokens are drawn with."""
+    groups: dict[tuple, list[int]] = {}
+    for j, row in enumerate(rows):
+        groups.setdefault((row.params.temperature, row.params.top_k, row.params.top_p), []).append(j)
+    return list(groups.values())
+
+
+def _joined(drafts: list[Draft], groups: list[list[int]], n: int) -> Draft:
+    """The groups' drafts as one right-padded block over all n rows (tokens and lengths only)."""
+    if len(drafts) == 1:
+        return drafts[0]
+    tokens = torch.zeros((n, max(d.tokens.shape[1] for d in drafts)), dtype=torch.long)
+    lengths = [0] * n
+    for group, draft in zip(groups, drafts):
+        tokens[group, : draft.tokens.shape[1]] = draft.tokens.cpu()
+        for j, length in zip(group, draft.lengths):
+            lengths[j] = length
+    return Draft(tokens, None, lengths)
 
 
 def _stop_check(tokens: list[int], eos: set[int], remaining: int) -> tuple[list[int], str | None]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from .stats import BatchStats, GenerationStats
+from .text import TextStream
 
 
 @dataclass
@@ -58,3 +59,17 @@ class BatchResult:
 
     def to_dict(self) -> dict:
         return {"batch": self.stats.to_dict(), "results": [r.to_dict() for r in self.results]}
+
+
+def chunk_of_step(text: TextStream, stats: GenerationStats, step) -> StreamChunk:
+    """An engine step's tokens (``engine.RowStep``) through a request's text stream: a stop
+    string ends the request ("stop") and the stats then count only the tokens kept; a final
+    chunk carries the rest of the text."""
+    delta = text.push(step.tokens)
+    kept = step.tokens[: delta.kept_tokens]
+    finish = "stop" if delta.stopped else step.finish_reason
+    if delta.stopped:
+        stats.new_tokens -= len(step.tokens) - delta.kept_tokens
+    if finish is not None:
+        return StreamChunk(delta.text + text.finish(), kept, finish)
+    return StreamChunk(delta.text, kept, None)

@@ -38,6 +38,7 @@ class Draft:
 
 class Drafter(Protocol):
     vocab_size: int
+    max_batch: int  # most rows it drafts for together
 
     def reset(self, batch_size: int) -> None:  # empty slots 0..batch_size-1
         ...

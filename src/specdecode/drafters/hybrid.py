@@ -31,6 +31,10 @@ class HybridDrafter:
         self.model_steps = 0
         self._model_rows: list[int] = []
 
+    @property
+    def max_batch(self) -> int:
+        return self.model.max_batch
+
     def reset(self, batch_size: int) -> None:
         self.model.reset(batch_size)
         self.lookup.reset(batch_size)

@@ -24,6 +24,10 @@ class ModelDrafter:
         self.vocab_size = runner.vocab_size
         self._context_lengths: dict[int, int] = {}  # slot -> committed tokens at its last proposal
 
+    @property
+    def max_batch(self) -> int:
+        return self.runner.max_batch
+
     def reset(self, batch_size: int) -> None:
         self.runner.reset(batch_size)
 

@@ -53,6 +53,8 @@ class _RowIndex:
 
 
 class NgramDrafter:
+    max_batch = 1 << 20  # an index per row: no limit of its own
+
     def __init__(self, vocab_size: int, min_n: int = 1, max_n: int = 4):
         if not 1 <= min_n <= max_n:
             raise ValueError("need 1 <= min_n <= max_n")

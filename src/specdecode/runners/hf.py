@@ -55,7 +55,7 @@ class HFRunner:
 
     @property
     def lengths(self) -> torch.Tensor:  # [B]
-        return torch.tensor(self.cache.row_lengths if self.cache else [0], dtype=torch.long)
+        return torch.tensor(self.cache.row_lengths if self.cache is not None else [0], dtype=torch.long)
 
     def reset(self, batch_size: int = 1) -> None:
         self.cache = RaggedCache(batch_size)
