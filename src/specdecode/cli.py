@@ -144,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     serve.add_argument("--model-name", default=None, help="the model id clients ask for (default: the target reference)")
+    serve.add_argument("--max-batch", type=int, default=8,
+                       help="requests decoded together; new ones join the running batch at the next step (default: "
+                       "%(default)s; above 1 an auto draft runner is int8, which batches)")
+    serve.add_argument("--max-waiting", type=int, default=64,
+                       help="queued requests past which a new one gets 429 with Retry-After (default: %(default)s)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds a request may take from its arrival, queueing included (default: no limit)")
+    serve.set_defaults(gamma="auto")
 
     table = sub.add_parser("runners", help="measure each CPU path: k-token pass cost and batch invariance")
     table.add_argument("--target", default=packs.DEFAULT_TARGET, help="model reference (default: %(default)s)")
@@ -324,10 +332,15 @@ def _serve(args) -> int:
 
     if not 0 < args.port < 65536:
         raise SpecDecodeError(f"--port must be in 1..65535, got {args.port}")
-    gen = _load_generator(args)
+    if args.max_batch < 1 or args.max_waiting < 0:
+        raise SpecDecodeError("--max-batch must be at least 1 and --max-waiting at least 0")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise SpecDecodeError(f"--request-timeout must be positive, got {args.request_timeout}")
+    gen = _load_generator(args, batched=args.max_batch > 1)
     logging.getLogger("specdecode").removeHandler(_LOG_HANDLER)  # the server's log lines carry times instead
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = create_app(gen, args.model_name or args.target)
+    app = create_app(gen, args.model_name or args.target, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                     timeout=args.request_timeout)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 

@@ -1,10 +1,10 @@
 """The FastAPI app: OpenAI-style completions and chat, streaming, health, models and metrics.
 
 Glossary:
-- *worker*: one thread that runs requests one after another (the runners hold KV caches, so
-  one request decodes at a time); HTTP handlers queue jobs for it and wait on their results.
-- *job*: one request's parameters, a queue of chunks back to the handler, and a cancel flag the
-  handler sets when its client disconnects; the worker checks it after every decode step.
+- *scheduler*: the one thread that decodes every admitted request in a continuous batch
+  (``specdecode.scheduler``); handlers submit tickets to it and read their events back from an
+  asyncio queue. The HTTP layer never touches runners or engines.
+- *back-pressure*: past ``max_waiting`` queued requests a new one gets 429 with Retry-After.
 """
 
 from __future__ import annotations
@@ -12,103 +12,44 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import queue
-import threading
 import time
-import uuid
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..api import GenerationResult, SpeculativeGenerator
 from ..errors import SpecDecodeError
+from ..scheduler import QueueFull, RequestTimeout, Scheduler, Ticket
 from .metrics import Metrics
-from .validate import Request, RequestError, parse
+from .validate import RequestError, parse
 
 log = logging.getLogger("specdecode.server")
-DONE = object()
 
 
-@dataclass
-class Job:
-    request: Request
-    chat: bool
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+def _request_error(exc: SpecDecodeError) -> RequestError:
+    if isinstance(exc, QueueFull):
+        error = RequestError(str(exc), None, 429, "queue_full")
+        error.headers = {"Retry-After": str(exc.retry_after)}
+        return error
+    if isinstance(exc, RequestTimeout):
+        return RequestError(str(exc), None, 504, "timeout")
+    field = "max_tokens" if exc.field == "max_new_tokens" else exc.field
+    return RequestError(str(exc).replace("max_new_tokens", "max_tokens"), field)
 
 
-class Worker:
-    def __init__(self, generator: SpeculativeGenerator, metrics: Metrics):
-        self.generator = generator
-        self.metrics = metrics
-        self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.variants: dict = {}
-        self.thread = threading.Thread(target=self._run, name="specdecode-worker", daemon=True)
-        self.thread.start()
-
-    def submit(self, job: Job) -> None:
-        self.jobs.put(job)
-
-    def stop(self) -> None:
-        self.jobs.put(None)
-
-    def _generator_for(self, req: Request) -> SpeculativeGenerator:
-        base = self.generator
-        if req.drafter is None:
-            return base
-        kind = None if req.drafter == "none" else req.drafter
-        if kind in ("model", "hybrid") and base.draft is None:
-            raise RequestError(f"drafter '{kind}' needs a draft model and this server has none", "drafter")
-        if kind not in self.variants:
-            self.variants[kind] = base.variant(kind)
-        return self.variants[kind]
-
-    def _emit(self, job: Job, item) -> None:
-        job.loop.call_soon_threadsafe(job.out.put_nowait, item)
-
-    def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            if job.cancelled.is_set():
-                self._emit(job, DONE)
-                continue
-            try:
-                self._serve(job)
-            except RequestError as exc:
-                self._emit(job, exc)
-            except SpecDecodeError as exc:
-                self._emit(job, RequestError(str(exc), "max_tokens" if exc.field == "max_new_tokens" else exc.field))
-            except Exception as exc:  # a bug: report it, keep serving
-                log.exception("request %s failed", job.id)
-                self._emit(job, exc)
-            finally:
-                self._emit(job, DONE)
-
-    def _serve(self, job: Job) -> None:
-        req = job.request
-        gen = self._generator_for(req)
-        stream = gen.stream(req.messages if job.chat else req.prompt, req.params, chat=job.chat, gamma=req.gamma)
-        for chunk in stream:
-            self._emit(job, chunk)
-            if job.cancelled.is_set():
-                stream.close()
-                log.warning("request %s cancelled by the client; stopped after %d tokens", job.id, stream.result.stats.new_tokens if stream.result else 0)
-                self.metrics.cancelled += 1
-                return
-        self.metrics.record(stream.result)
-        self._emit(job, stream.result)
-
-
-def create_app(generator: SpeculativeGenerator, model_name: str) -> FastAPI:
+def create_app(generator: SpeculativeGenerator, model_name: str, max_batch: int = 8, max_waiting: int = 64,
+               timeout: float | None = None) -> FastAPI:
+    """max_batch: requests decoded together; max_waiting: queued requests past which new ones
+    get 429; timeout: seconds a request may take from its arrival (None: no limit)."""
     metrics = Metrics(max_accepted=generator.spec_config.longest_draft)
-    worker = Worker(generator, metrics)
+    scheduler = Scheduler(generator, max_batch=max_batch, max_waiting=max_waiting, timeout=timeout, observer=metrics)
+    metrics.gauges = lambda: (scheduler.running, scheduler.waiting)
     app = FastAPI(title="specdecode", version="0.1.0")
-    app.state.worker, app.state.metrics = worker, metrics
+    app.state.scheduler, app.state.metrics = scheduler, metrics
+    app.router.on_shutdown.append(scheduler.close)
 
     @app.exception_handler(RequestError)
-    async def _request_error(_, exc: RequestError):
+    async def _request_error_handler(_, exc: RequestError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.get("/health")
@@ -123,39 +64,43 @@ def create_app(generator: SpeculativeGenerator, model_name: str) -> FastAPI:
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def submit(req, chat: bool, out: asyncio.Queue) -> Ticket:
+        loop = asyncio.get_running_loop()
+        return scheduler.submit(req.messages if chat else req.prompt, req.params,
+                                lambda item: loop.call_soon_threadsafe(out.put_nowait, item),
+                                chat=chat, drafter=req.drafter, gamma=req.gamma)
+
     async def handle(http: HTTPRequest, chat: bool):
         endpoint = "chat" if chat else "completions"
+        out: asyncio.Queue = asyncio.Queue()
         try:
             try:
                 body = json.loads(await http.body())
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise RequestError("request body is not valid JSON") from None
             req = parse(body, chat, model_name)
-            generator.check_fits(1, req.params.max_new_tokens)
+            try:
+                ticket = submit(req, chat, out)
+            except SpecDecodeError as exc:
+                raise _request_error(exc) from None
         except RequestError as exc:
             metrics.request(endpoint, exc.status)
-            return JSONResponse(exc.body(), status_code=exc.status)
-        except SpecDecodeError as exc:
-            metrics.request(endpoint, 400)
-            return JSONResponse(RequestError(str(exc).replace("max_new_tokens", "max_tokens"), "max_tokens").body(), status_code=400)
-        job = Job(req, chat, asyncio.get_running_loop(), asyncio.Queue())
-        worker.submit(job)
+            return JSONResponse(exc.body(), status_code=exc.status, headers=getattr(exc, "headers", None))
         if req.stream:
-            first = await job.out.get()
-            if isinstance(first, Exception):
-                return _error_response(first, metrics, endpoint)
+            first = await out.get()
+            if isinstance(first, SpecDecodeError):
+                return _error_response(_request_error(first), metrics, endpoint)
             metrics.request(endpoint, 200)
-            return StreamingResponse(_sse(job, first, chat, model_name), media_type="text/event-stream")
-        result = None
-        while (item := await job.out.get()) is not DONE:
-            if isinstance(item, Exception):
-                while await job.out.get() is not DONE:
-                    pass
-                return _error_response(item, metrics, endpoint)
-            if isinstance(item, GenerationResult):
-                result = item
+            return StreamingResponse(_sse(ticket, out, first, chat, model_name), media_type="text/event-stream")
+        try:
+            while not isinstance(item := await out.get(), GenerationResult):
+                if isinstance(item, SpecDecodeError):
+                    return _error_response(_request_error(item), metrics, endpoint)
+        except asyncio.CancelledError:  # the client went away
+            ticket.cancel()
+            raise
         metrics.request(endpoint, 200)
-        return _full_response(result, chat, model_name, job.id)
+        return _full_response(item, chat, model_name, ticket.id)
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
@@ -168,12 +113,13 @@ def create_app(generator: SpeculativeGenerator, model_name: str) -> FastAPI:
     return app
 
 
-def _error_response(exc: Exception, metrics: Metrics, endpoint: str):
-    if isinstance(exc, RequestError):
-        metrics.request(endpoint, exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status)
-    metrics.request(endpoint, 500)
-    return JSONResponse({"error": {"message": "internal error", "type": "server_error", "param": None, "code": None}}, status_code=500)
+def _error_response(exc: RequestError, metrics: Metrics, endpoint: str):
+    status = 500 if str(exc) == "internal error" else exc.status
+    metrics.request(endpoint, status)
+    body = exc.body()
+    if status == 500:
+        body["error"]["type"] = "server_error"
+    return JSONResponse(body, status_code=status)
 
 
 def _speculative(result) -> dict:
@@ -196,8 +142,8 @@ def _full_response(result, chat: bool, model: str, job_id: str) -> dict:
     return {**base, "object": "text_completion", "choices": [choice], "usage": _usage(result), "speculative": _speculative(result)}
 
 
-async def _sse(job: Job, first, chat: bool, model: str):
-    base = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "created": int(time.time()), "model": model,
+async def _sse(ticket: Ticket, out: asyncio.Queue, first, chat: bool, model: str):
+    base = {"id": ("chatcmpl-" if chat else "cmpl-") + ticket.id, "created": int(time.time()), "model": model,
             "object": "chat.completion.chunk" if chat else "text_completion"}
 
     def chunk(text: str | None, finish: str | None, extra: dict | None = None) -> str:
@@ -212,14 +158,16 @@ async def _sse(job: Job, first, chat: bool, model: str):
         if chat:
             yield "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + "\n\n"
         item = first
-        while item is not DONE:
-            if isinstance(item, Exception):
+        while True:
+            if isinstance(item, SpecDecodeError):
                 yield "data: " + json.dumps({"error": {"message": str(item), "type": "server_error"}}) + "\n\n"
-            elif isinstance(item, GenerationResult):
+                break
+            if isinstance(item, GenerationResult):
                 yield chunk(None, item.finish_reason, {"usage": _usage(item), "speculative": _speculative(item)})
-            elif item.text:
+                break
+            if item.text:
                 yield chunk(item.text, None)
-            item = await job.out.get()
+            item = await out.get()
         yield "data: [DONE]\n\n"
     finally:
-        job.cancelled.set()  # client gone (or finished): the worker stops after its current step
+        ticket.cancel()  # client gone (or finished): the scheduler lets the row go at its next step
