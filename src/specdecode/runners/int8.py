@@ -17,6 +17,13 @@ Glossary:
 - *row-wise attention* (``runners.attention``): quantisation turns a one-ulp difference upstream
   into a whole quantum, so attention must be bit-identical too; the int8 path scores each query
   alone over exactly the keys it may see.
+- *int8 matrix* (``Int8Matrix``): one matrix the path multiplies by: a lone Linear, or fused
+  siblings stacked (``FusedInt8Group``). Its *quantized weight* is a torch qint8 tensor [out, in]
+  with one scale per row; fbgemm's *packed weight* is made from that at every load (fbgemm keeps
+  it in a layout it cannot export, so ``runners.weight_cache`` stores the quantized weight).
+- *weight source*: where the quantized weights come from (``quantized``): quantised here from
+  the model's float weights (``ModelWeights``), or ``runners.weight_cache``'s checkpoint reader
+  and packed-weight cache.
 
 The transform replaces the ``nn.Linear`` modules of a loaded model once (nothing is restored
 later) and selects the row-wise attention; norms and embeddings stay in fp32.
@@ -25,6 +32,9 @@ later) and selects the row-wise attention; norms and embeddings stay in fp32.
 from __future__ import annotations
 
 import warnings
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterator, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -36,12 +46,29 @@ def int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines and _FIXED_SCALE_LINEAR is not None
 
 
-def _pack(weight: torch.Tensor):
-    """float32 [out, in] -> fbgemm packed int8 weight with one scale per output row."""
-    scale = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(torch.float64)  # [out]
+QUANTIZE_ROWS = 8192  # rows whose absolute maxima are taken at once: bounds the temporary copy of a large matrix
+
+
+def quantize_weight(weight: torch.Tensor) -> torch.Tensor:
+    """float32 [out, in] -> qint8 [out, in] with one scale per output row (the row's absolute maximum / 127)."""
+    amax = torch.cat([rows.abs().amax(dim=1) for rows in weight.split(QUANTIZE_ROWS)])  # [out]
+    scale = (amax.clamp(min=1e-12) / 127).to(torch.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantized tensor constructors warn about a future deprecation
-        qweight = torch.quantize_per_channel(weight, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+        return torch.quantize_per_channel(weight, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+
+
+def quantized_from(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 [out, in] and float64 scales [out] (a quantized weight's int_repr and scales) -> that qint8 weight."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch._make_per_channel_quantized_tensor(values, scale, torch.zeros_like(scale, dtype=torch.long), 0)
+
+
+def _pack(qweight: torch.Tensor):
+    """qint8 [out, in] -> fbgemm's packed int8 weight (what its linear multiplies by)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         return torch.ops.quantized.linear_prepack(qweight, None)
 
 
@@ -78,9 +105,10 @@ def _like_input(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class PerTokenInt8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, qweight: torch.Tensor | None = None):
+        """qweight: the linear's quantized weight [out, in] (default: quantised from its weight here)."""
         super().__init__()
-        self._packed = _pack(linear.weight.detach().to(torch.float32))
+        self._packed = _pack(quantize_weight(_stacked([linear])) if qweight is None else qweight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         bias = None if linear.bias is None else linear.bias.detach().to(torch.float32).clone()
         self.register_buffer("bias", bias)
@@ -104,8 +132,9 @@ class FusedInt8Group:
     with a third of the calls for q/k/v. A member called with a different input (a model that
     feeds its siblings different tensors) simply recomputes: correct either way."""
 
-    def __init__(self, linears: list[nn.Linear]):
-        self.packed = _pack(torch.cat([lin.weight.detach().to(torch.float32) for lin in linears]))
+    def __init__(self, linears: list[nn.Linear], qweight: torch.Tensor | None = None):
+        """qweight: the stacked quantized weight [sum out, in] (default: quantised from the linears here)."""
+        self.packed = _pack(quantize_weight(_stacked(linears)) if qweight is None else qweight)
         self.in_features = linears[0].in_features
         self.bounds, start = [], 0
         for lin in linears:
@@ -149,29 +178,103 @@ class FusedInt8Member(nn.Module):
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def prepare_int8(model: nn.Module) -> nn.Module:
+class Int8Matrix(NamedTuple):
+    """One matrix of the int8 path (module glossary): ``parent``'s Linear children ``children``,
+    stacked in that order when there are several. It names its linears rather than holding
+    them, so a float Linear is freed as soon as it is replaced."""
+
+    name: str  # the linear's module name, or the parent's with the children joined by '+'
+    parent: nn.Module
+    children: tuple[str, ...]
+    keys: tuple[str, ...]  # the linears' weights in the model's state dict
+    shape: tuple[int, int]  # (sum of out_features, in_features)
+
+    def linears(self) -> list[nn.Linear]:
+        return [getattr(self.parent, child) for child in self.children]
+
+
+def int8_matrices(model: nn.Module) -> list[Int8Matrix]:
+    """Every matrix quantize_linears makes: fused sibling groups first, then the lone linears."""
+    matrices, grouped = [], set()
+
+    def add(parent, prefix: str, children, linears):
+        shape = (sum(lin.out_features for lin in linears), linears[0].in_features)
+        name = prefix + "+".join(children)
+        matrices.append(Int8Matrix(name, parent, tuple(children), tuple(f"{prefix}{c}.weight" for c in children), shape))
+
+    for parent_name, parent in model.named_modules():
+        for names in FUSED_SIBLINGS:
+            linears = [getattr(parent, name, None) for name in names]
+            if all(isinstance(lin, nn.Linear) for lin in linears) and len({lin.in_features for lin in linears}) == 1:
+                add(parent, f"{parent_name}." if parent_name else "", names, linears)
+                grouped.update(id(lin) for lin in linears)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and id(module) not in grouped:
+            parent_name, _, child = name.rpartition(".")
+            add(model.get_submodule(parent_name) if parent_name else model, f"{parent_name}." if parent_name else "",
+                [child], [module])
+    return matrices
+
+
+class WeightSource(Protocol):
+    def quantized(self, matrices: list[Int8Matrix]) -> Iterator[tuple[Int8Matrix, torch.Tensor]]:
+        """(matrix, its quantized weight [out, in]) for each matrix, in order."""
+
+
+class ModelWeights:
+    """Quantised here from the model's own float weights."""
+
+    def quantized(self, matrices: list[Int8Matrix]) -> Iterator[tuple[Int8Matrix, torch.Tensor]]:
+        for matrix in matrices:
+            yield matrix, quantize_weight(_stacked(matrix.linears()))
+
+
+def _stacked(linears) -> torch.Tensor:  # the linears' weights, stacked: float32 [sum out, in]
+    weights = [lin.weight.detach().to(torch.float32) for lin in linears]
+    return weights[0] if len(weights) == 1 else torch.cat(weights)
+
+
+def prepare_int8(model: nn.Module, weights: WeightSource | None = None) -> nn.Module:
     """The full CPU path: int8 per-token linears and row-wise attention."""
-    quantize_linears(model)
+    quantize_linears(model, weights)
     use_rowwise_attention(model)
     return model
 
 
-def quantize_linears(model: nn.Module) -> nn.Module:
+def quantize_linears(model: nn.Module, weights: WeightSource | None = None) -> nn.Module:
     """Replace every nn.Linear of a float32 CPU model by per-token int8 linears (siblings that
-    read one input fused, see FusedInt8Group); returns the model."""
+    read one input fused, see FusedInt8Group); returns the model. weights: where the quantized
+    weights come from (default: ModelWeights).
+
+    fbgemm's packing is most of a load's cost once the quantized weights are cached, and it
+    runs outside the GIL, so matrices are packed on ``torch.get_num_threads()`` threads while
+    the next ones are read, the largest first (the output head alone takes a fifth of the
+    time). A few matrices are in flight at a time, and each float Linear is dropped once its
+    int8 replacement is in place."""
     if not int8_available():
         raise RuntimeError("this torch build has no fbgemm quantized engine")
     torch.backends.quantized.engine = "fbgemm"
-    for parent in list(model.modules()):
-        for names in FUSED_SIBLINGS:
-            linears = [getattr(parent, name, None) for name in names]
-            if all(isinstance(lin, nn.Linear) for lin in linears) and len({lin.in_features for lin in linears}) == 1:
-                group = FusedInt8Group(linears)
-                for i, name in enumerate(names):
-                    setattr(parent, name, FusedInt8Member(group, i))
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PerTokenInt8Linear(module))
+    workers = max(1, torch.get_num_threads())
+    matrices = sorted(int8_matrices(model), key=lambda m: -m.shape[0] * m.shape[1])
+    pending: deque[tuple[Int8Matrix, Future]] = deque()
+    with ThreadPoolExecutor(workers) as pool:
+        for matrix, qweight in (weights or ModelWeights()).quantized(matrices):
+            pending.append((matrix, pool.submit(_int8_modules, matrix.linears(), qweight)))
+            while len(pending) > workers:
+                _install(*pending.popleft())
+        while pending:
+            _install(*pending.popleft())
     return model
+
+
+def _int8_modules(linears: list[nn.Linear], qweight: torch.Tensor) -> list[nn.Module]:
+    """The int8 modules that replace ``linears``, given their (stacked) quantized weight."""
+    if len(linears) == 1:
+        return [PerTokenInt8Linear(linears[0], qweight)]
+    group = FusedInt8Group(linears, qweight)
+    return [FusedInt8Member(group, i) for i in range(len(linears))]
+
+
+def _install(matrix: Int8Matrix, modules: Future) -> None:
+    for name, module in zip(matrix.children, modules.result()):
+        setattr(matrix.parent, name, module)
