@@ -5,12 +5,18 @@ Glossary: a *model reference* is one of
 - a path to a ``.gguf`` file, converted once into the cache;
 - a local directory that ``from_pretrained`` reads;
 - a hub id (``org/name``), downloaded by transformers when the network allows.
+
+A model for the int8 path takes its quantized weights from the packed-weight cache under the
+cache folder (``runners.weight_cache``; ``$SPECDECODE_INT8_CACHE=off`` turns it off). Load
+phases are logged at DEBUG on ``specdecode.models``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,12 +24,14 @@ import torch
 
 from . import packs
 from .errors import SpecDecodeError
-from .runners import factory
+from .runners import factory, weight_cache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DEVICES = ("cpu", "cuda")
 
 RUNNERS = factory.RUNNERS
+
+log = logging.getLogger("specdecode.models")
 
 
 @dataclass
@@ -120,8 +128,10 @@ def _load_transformers(reference: str, device: torch.device, dtype: torch.dtype,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     location, extra = resolve(reference, progress)
+    start = time.perf_counter()
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **extra)
+        loaded = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **extra)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -129,7 +139,12 @@ def _load_transformers(reference: str, device: torch.device, dtype: torch.dtype,
             f"unknown model '{reference}': not a model pack (see `specdecode models list`), local path, "
             f"or loadable hub id ({first[:200]})"
         ) from None
-    return factory.prepare_weights(model.to(device).eval(), runner), tokenizer
+    mapped = time.perf_counter()
+    cache_root = packs.cache_dir() if weight_cache.cache_enabled() else None
+    model = factory.prepare_weights(model.to(device).eval(), runner, location, cache_root)
+    log.debug("%s: tokenizer %.1f s, model %.1f s, %s weights %.1f s", reference, loaded - start, mapped - loaded, runner,
+              time.perf_counter() - mapped)
+    return model, tokenizer
 
 
 def _load_llamacpp(reference: str, progress: bool) -> LoadedModel:

@@ -13,6 +13,9 @@ Glossary:
   vocabulary when asked (``runners.gguf_files``), once this build is known to decode it.
 - *fallback*: an auto-chosen llama.cpp draft whose build cannot decode the file drafts on the
   int8 path instead (hf outside float32), with a warning.
+- *weight preparation*: an int8 model's linears are replaced by int8 ones, their quantized
+  weights read from the packed-weight cache when the model comes from a local safetensors
+  checkpoint (``runners.weight_cache``).
 
 ``models`` resolves references and loads weights and tokenizers; it asks this module what to
 load and which runner to build.
@@ -28,6 +31,7 @@ import torch
 from ..errors import SpecDecodeError
 from .gguf_files import requantized_gguf, trimmed_gguf
 from .int8 import int8_available, prepare_int8
+from .weight_cache import int8_weights
 from .lean import LeanForward
 from .llamacpp import LlamaCppRunner
 from .llamacpp_build import llamacpp_available, llamacpp_fast, llamacpp_problem
@@ -94,10 +98,13 @@ def check_dtype(runner: str, dtype: torch.dtype) -> None:
         raise SpecDecodeError("the int8 runner quantises from float32; use --dtype float32", field="dtype")
 
 
-def prepare_weights(model, runner: str):
-    """A loaded transformers model made ready for its runner kind (int8: quantised in place); returns it."""
+def prepare_weights(model, runner: str, checkpoint: str | Path | None = None, cache_root: Path | None = None):
+    """A loaded transformers model made ready for its runner kind (int8: quantised in place); returns it.
+
+    checkpoint: the folder the model was loaded from (module glossary: weight preparation);
+    cache_root: the cache folder the packed-weight cache lives under (None: no cache)."""
     if runner == "int8":
-        prepare_int8(model)
+        prepare_int8(model, None if checkpoint is None else int8_weights(checkpoint, cache_root))
     return model
 
 
