@@ -296,3 +296,45 @@ def test_ignore_eos_runs_past_the_end_token_to_max_new_tokens(pair):
         assert rows.results[0].token_ids == free and len(rows.results[1].token_ids) == 40
     with pytest.raises(Exception, match="ignore_eos"):
         SamplingParams(ignore_eos="yes")
+
+
+def test_cli_serve_decodes_on_its_main_thread_and_stops_on_interrupt(saved, generators):
+    """`specdecode serve` runs the scheduler on the process's main thread, HTTP beside it."""
+    import signal
+    import time
+
+    import httpx
+
+    from specdecode.bench.llama_server import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--target", str(saved / "target"),
+                             "--draft", str(saved / "draft"), "--dtype", "float64", "--port", str(port), "--max-batch", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.2)
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hello world", "max_tokens": 20},
+                            timeout=120).json()
+        assert answer["choices"][0]["text"] == generators[1].generate("hello world", max_new_tokens=20).text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(60)
+    assert code == 0
+
+
+def test_cli_serve_port_taken_is_an_error(saved):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, _, err = run_cli("serve", "--target", str(saved / "target"), "--draft", "none",
+                               "--port", str(taken.getsockname()[1]))
+    assert code != 0 and "Traceback" not in err

@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import sys
+import threading
 import time
 
 from . import packs
@@ -340,9 +341,19 @@ def _serve(args) -> int:
     logging.getLogger("specdecode").removeHandler(_LOG_HANDLER)  # the server's log lines carry times instead
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(gen, args.model_name or args.target, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                     timeout=args.request_timeout)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
-    return 0
+                     timeout=args.request_timeout, start_scheduler=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    http = threading.Thread(target=server.run, name="specdecode-http", daemon=True)
+    http.start()
+    try:  # the thread that loaded the models decodes (see scheduler.Scheduler)
+        app.state.scheduler.run(keep_going=http.is_alive)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        app.state.scheduler.close()
+        http.join(10)
+    return 0 if server.started else 1
 
 
 def _quality(args) -> int:

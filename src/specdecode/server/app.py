@@ -38,11 +38,13 @@ def _request_error(exc: SpecDecodeError) -> RequestError:
 
 
 def create_app(generator: SpeculativeGenerator, model_name: str, max_batch: int = 8, max_waiting: int = 64,
-               timeout: float | None = None) -> FastAPI:
+               timeout: float | None = None, start_scheduler: bool = True) -> FastAPI:
     """max_batch: requests decoded together; max_waiting: queued requests past which new ones
-    get 429; timeout: seconds a request may take from its arrival (None: no limit)."""
+    get 429; timeout: seconds a request may take from its arrival (None: no limit);
+    start_scheduler: False leaves ``app.state.scheduler.run()`` to the caller's thread."""
     metrics = Metrics(max_accepted=generator.spec_config.longest_draft)
-    scheduler = Scheduler(generator, max_batch=max_batch, max_waiting=max_waiting, timeout=timeout, observer=metrics)
+    scheduler = Scheduler(generator, max_batch=max_batch, max_waiting=max_waiting, timeout=timeout, observer=metrics,
+                          start=start_scheduler)
     metrics.gauges = lambda: (scheduler.running, scheduler.waiting)
     app = FastAPI(title="specdecode", version="0.1.0")
     app.state.scheduler, app.state.metrics = scheduler, metrics
