@@ -13,7 +13,7 @@ from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import SpecEngine
 from specdecode.stats import GenerationStats
 from specdecode.errors import SpecDecodeError
-from specdecode.policy import AdaptiveGamma
+from specdecode.policy import AdaptiveGamma, FixedGamma
 from specdecode.runners.hf import HFRunner
 
 from helpers import perturbed, tiny_model, decode
@@ -224,3 +224,44 @@ def test_adaptive_defers_the_draft_prefill_and_stays_exact(pair, batch_size):
         got[step.index].extend(step.tokens)
     assert [got[i] for i in range(len(prompts))] == alone
     assert CountingRunner.prefills > 0 and sum(r.stats.drafted_tokens for r in requests) > 0
+
+
+def test_adaptive_drafts_at_a_batch_size_only_where_its_costs_say_it_pays():
+    policy = AdaptiveGamma(max_gamma=8)
+    assert policy.drafts_at(4)  # nothing measured at 4 rows: draft, and measure
+    for _ in range(30):
+        policy.observe([3], [1], 0.012, 0.065)  # one row: cheap drafts, a flat pass
+        policy.observe([0], [0], 0.0, 0.065)
+        policy.observe([3] * 4, [1] * 4, 0.05, 0.40)  # four rows: a wider pass costs more than it gives
+        policy.observe([0] * 4, [0] * 4, 0.0, 0.09)
+    assert policy.drafts_at(1) and not policy.drafts_at(4)
+    assert FixedGamma(3).drafts_at(4)
+
+
+class DraftsAlone(AdaptiveGamma):
+    """The adaptive policy as measured costs would make it: drafting pays with one row only."""
+
+    def drafts_at(self, rows):
+        return rows == 1
+
+
+def test_a_batch_where_drafting_does_not_pay_starts_no_drafter_until_it_shrinks(pair):
+    from specdecode.engine import Request
+
+    target, draft = pair
+    plain = SpecEngine(HFRunner(target), None, SpecConfig())
+    spec = SpecEngine(HFRunner(target), ModelDrafter(CountingRunner(draft)), SpecConfig(gamma="auto"))
+    spec.policy = DraftsAlone(max_gamma=8)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, VOCAB, (1, n), generator=g)[0].tolist() for n in (9, 5)]
+    params = SamplingParams(max_new_tokens=40)
+    alone = [[t for s in decode(plain, torch.tensor([p]), params) for t in s.tokens] for p in prompts]
+    requests = [Request(prompts[0], 40, torch.Generator().manual_seed(0)),
+                Request(prompts[1], 10, torch.Generator().manual_seed(0))]  # ends first
+    CountingRunner.prefills = 0
+    got = {0: [], 1: []}
+    for step in spec.generate(requests, params, batch_size=2):
+        got[step.index].extend(step.tokens)
+    assert got[0] == alone[0] and got[1] == alone[1][:10]
+    assert requests[1].stats.drafted_tokens == 0  # it only ever ran beside the other
+    assert CountingRunner.prefills == 1 and requests[0].stats.drafted_tokens > 0  # started once alone

@@ -147,10 +147,12 @@ class SpecEngine:
     def _step(self, rows: list[_Row]) -> Iterator[tuple[_Row, RowStep]]:
         """One engine step over the active rows, in numbered phases."""
         # 1. plan: start deferred drafters whose time has come; one draft length for the step
-        for row in rows:
-            # (a request with one token left would prefill the draft for nothing)
-            if self.drafter is not None and not row.drafting and row.request.stats.new_tokens >= row.start_after and row.remaining > 1:
-                self._start_drafter(row)
+        # (a request with one token left would prefill the draft for nothing, and so would one
+        # in a batch of a size at which the policy has found that drafting does not pay)
+        if self.drafter is not None and self.policy.drafts_at(len(rows)):
+            for row in rows:
+                if not row.drafting and row.request.stats.new_tokens >= row.start_after and row.remaining > 1:
+                    self._start_drafter(row)
         drafting = [r for r in rows if r.drafting]
         k = self.policy.choose([r.remaining for r in drafting], rows=len(rows)) if drafting else 0
         self.last_draft_length = k
@@ -185,8 +187,9 @@ class SpecEngine:
                 self.policy.finished(stats.new_tokens)
             yield row, RowStep(row.index, new_tokens, finish)
 
-    def _admit(self, slot: int, index: int, request: Request, params: SamplingParams, eos: set[int]) -> _Row:
-        """Cache every prompt token but the last (the first pending token) in ``slot``."""
+    def _admit(self, slot: int, index: int, request: Request, params: SamplingParams, eos: set[int], rows: int) -> _Row:
+        """Cache every prompt token but the last (the first pending token) in ``slot``; ``rows``:
+        the batch's rows with this one."""
         t0 = time.perf_counter()
         gamma = self.config.longest_draft if self.drafter is not None else 0
         request.stats.accepted_by_position = [0] * gamma
@@ -196,7 +199,7 @@ class SpecEngine:
         row = _Row(slot, index, request, ids, t0, params, eos)
         if self.drafter is not None:
             row.start_after = self.policy.start_after(len(ids), request.max_new_tokens)
-            if row.start_after == 0:
+            if row.start_after == 0 and self.policy.drafts_at(rows):
                 self._start_drafter(row)
         self._sync()
         request.stats.prefill_seconds += time.perf_counter() - t0
@@ -285,7 +288,7 @@ class Batch:
         if not free:
             raise SpecDecodeError("the batch is full", field="batch_size")
         eos = self.eos if request.eos_ids is None else set(int(t) for t in request.eos_ids)
-        self.rows[free[0]] = self.engine._admit(free[0], index, request, request.params or self.params, eos)
+        self.rows[free[0]] = self.engine._admit(free[0], index, request, request.params or self.params, eos, self.active + 1)
 
     def step(self) -> list[RowStep]:
         """One step over every row; rows that end in it leave the batch."""

@@ -31,6 +31,9 @@ Glossary:
 - *confidence stop*: within the chosen length a draft model stops after a token it gave less
   than ``config.SpecConfig.stop_confidence`` (0.7 by default with this policy); the estimates
   above then measure the positions such drafts reach.
+- *load-aware start*: in a batch of a size at which the costs measured there make plain steps
+  the best, no drafter starts (a draft model's prefill would be paid for nothing); the rows'
+  drafters start at a step where the batch has shrunk to a size where drafting pays.
 - *stretch*: every ``probe_every`` drafting steps the policy drafts one token past its best
   length, so a position whose estimate went stale (it stopped being drafted after a bad patch)
   is measured again.
@@ -78,6 +81,9 @@ class FixedGamma:
 
     def start_after(self, context_tokens: int, budget: int) -> int:
         return 0  # a fixed draft length starts drafting at once
+
+    def drafts_at(self, rows: int) -> bool:
+        return True
 
     def started(self, context_tokens: int, seconds: float) -> None:
         pass
@@ -156,6 +162,13 @@ class AdaptiveGamma:
             self.costs.observe_draft(rows, longest, draft_seconds)
         for n, kept in zip(drafted, accepted):
             self.acceptance.observe(n, kept)
+
+    def drafts_at(self, rows: int) -> bool:
+        """Whether steps of this many rows draft: False once the costs measured at that batch size
+        make plain steps the best (glossary: load-aware start), so no drafter is started then."""
+        if not (self.costs.knows_pass(rows) and self.costs.knows_draft(rows)):
+            return True  # measure
+        return self.best(self.max_gamma, rows)[0] > 0
 
     def start_after(self, context_tokens: int, budget: int) -> int:
         """Plain tokens a request with this budget decodes before its drafter starts (glossary:
