@@ -53,7 +53,7 @@ class Rows(Observer):
     def __init__(self):
         self.rows, self.ended_reasons = [], []
 
-    def step(self, rows, draft_length, drafted, accepted):
+    def step(self, rows, draft_length):
         self.rows.append(rows)
 
     def ended(self, reason):
@@ -247,3 +247,46 @@ def test_http_back_pressure_and_timeout(models):
                 assert answer.status_code == 504 and answer.json()["error"]["code"] == "timeout"
         ok = httpx.post(base + "/v1/completions", json={"prompt": "ok", "max_tokens": 3}, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_hybrid_drafts_for_two_sampling_groups_as_for_each_alone(models):
+    """The hybrid drafter proposes once per sampling group in a step; each row's draft cache
+    still rolls back to its own accepted tokens, so its drafts (and acceptance) are as alone."""
+    settings = [dict(temperature=0.0), dict(temperature=0.9, seed=5)]
+    prompts = ["def add(a, b):", "class Stack:\n"]
+    reference = SpeculativeGenerator(*models, gamma=3, drafter="hybrid")
+    expected = [reference.generate(p, SamplingParams(max_new_tokens=60, **s)) for p, s in zip(prompts, settings)]
+    scheduler = Scheduler(SpeculativeGenerator(*models, gamma=3, drafter="hybrid"), max_batch=2)
+    try:
+        events = [Collect(), Collect()]
+        for p, s, ev in zip(prompts, settings, events):
+            scheduler.submit(p, SamplingParams(max_new_tokens=60, **s), ev)
+        for ev, ref in zip(events, expected):
+            got = ev.wait().result
+            assert got.token_ids == ref.token_ids
+            assert (got.stats.drafted_tokens, got.stats.accepted_tokens) == (ref.stats.drafted_tokens, ref.stats.accepted_tokens)
+    finally:
+        scheduler.close()
+
+
+def test_max_waiting_zero_admits_into_free_rows_only(models):
+    scheduler = Scheduler(SpeculativeGenerator(*models, gamma=3), max_batch=1, max_waiting=0)
+    try:
+        ev = Collect()
+        scheduler.submit("ok", SamplingParams(max_new_tokens=4), ev)  # a free row: taken
+        assert len(ev.wait().result.token_ids) == 4
+    finally:
+        scheduler.close()
+    with pytest.raises(SpecDecodeError, match="shutting down"):
+        scheduler.submit("late", SamplingParams(max_new_tokens=4), Collect())
+
+
+def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server):
+    before = metric(server, "specdecode_cancelled_requests_total")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server + "/v1/completions", json={"prompt": "gone", "max_tokens": 3500, "ignore_eos": True}, timeout=0.2)
+    deadline = time.time() + 30
+    while metric(server, "specdecode_cancelled_requests_total") == before and time.time() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "specdecode_cancelled_requests_total") == before + 1
+    wait_idle(server)

@@ -146,7 +146,10 @@ class SpeculativeGenerator:
         list of chat messages (``{"role", "content"}``) put through the model's chat template."""
         if chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # no template, or one that rejects these messages (jinja raises its own)
+                raise SpecDecodeError(f"the chat template rejects these messages: {exc}", field="messages") from None
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -345,6 +346,7 @@ def _serve(args) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
     http = threading.Thread(target=server.run, name="specdecode-http", daemon=True)
     http.start()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop request ends like Ctrl-C
     try:  # the thread that loaded the models decodes (see scheduler.Scheduler)
         app.state.scheduler.run(keep_going=http.is_alive)
     except KeyboardInterrupt:

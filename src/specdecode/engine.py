@@ -58,7 +58,7 @@ class Request:
 
 @dataclass
 class RowStep:
-    index: int  # position of the request in the list given to generate
+    index: int  # the request's id: its position in the list given to generate, or the one given to Batch.add
     tokens: list[int]  # its new committed tokens of this step
     finish_reason: str | None  # "stop" (EOS or cancelled), "length" or None while running
 

@@ -15,8 +15,10 @@ Glossary:
   costs measured for the number of rows in the batch (``policy``); with ``gamma="auto"`` that
   includes not drafting at all where drafting does not pay at this load.
 
-Greedy and seeded requests get exactly the tokens they get alone: rows never share random
-streams, and the runners give a row the same logits in any batch (batch-invariant runners).
+Greedy requests get exactly the tokens they get alone, and so do seeded ones with a fixed gamma:
+rows never share random streams, and the runners give a row the same logits in any batch
+(batch-invariant runners). With gamma "auto" a seeded request's tokens follow the target's
+distribution exactly, but which sample its seed gives depends on the draft lengths chosen.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 from .api import SpeculativeGenerator
 from .config import SamplingParams
@@ -53,10 +55,21 @@ class RequestTimeout(SpecDecodeError):
     pass
 
 
+class Unavailable(SpecDecodeError):
+    """The scheduler is closed or shutting down."""
+
+
+class InternalError(SpecDecodeError):
+    """A bug met while serving a request (logged with its traceback)."""
+
+    def __init__(self):
+        super().__init__("internal error")
+
+
 class Observer:
     """What the scheduler reports as it runs (the server's metrics implement it); no-ops here."""
 
-    def step(self, rows: int, draft_length: int, drafted: Sequence[int], accepted: Sequence[int]) -> None:
+    def step(self, rows: int, draft_length: int) -> None:
         pass
 
     def first_token(self, seconds: float) -> None:
@@ -103,7 +116,7 @@ class Scheduler:
                  timeout: float | None = None, observer: Observer | None = None, start: bool = True):
         if max_batch < 1:
             raise SpecDecodeError(f"max_batch must be at least 1, got {max_batch}", field="max_batch")
-        if max_waiting < 0:
+        if max_waiting < 0:  # (0: no queue beyond the free rows of the batch)
             raise SpecDecodeError(f"max_waiting must be at least 0, got {max_waiting}", field="max_waiting")
         if timeout is not None and timeout <= 0:
             raise SpecDecodeError(f"timeout must be positive, got {timeout}", field="timeout")
@@ -160,8 +173,8 @@ class Scheduler:
                         now, None if self.timeout is None else now + self.timeout)
         with self._lock:
             if self._closed:
-                raise SpecDecodeError("the scheduler is closed")
-            if len(self._waiting) >= self.max_waiting:
+                raise Unavailable("the server is shutting down")
+            if len(self._waiting) >= self.max_waiting + self.max_batch - len(self._running):
                 raise QueueFull(f"{len(self._waiting)} requests are waiting already; retry later", self._retry_after())
             self._waiting.append(ticket)
             self._lock.notify()
@@ -183,20 +196,31 @@ class Scheduler:
 
     def run(self, keep_going: Callable[[], bool] = lambda: True) -> None:
         """The scheduling loop, until ``close`` (or, checked every second while idle, until
-        ``keep_going`` says no)."""
-        while True:
+        ``keep_going`` says no); the requests left then end with Unavailable."""
+        try:
+            while True:
+                with self._lock:
+                    while not self._closed and not self._waiting and not self._running and keep_going():
+                        self._lock.wait(1.0)
+                    if self._closed or not keep_going():
+                        break
+                try:
+                    self._expire()
+                    self._admit()
+                    if self._running:
+                        self._step()
+                except Exception:  # a bug outside one request: end the batch's, serve on afresh
+                    log.exception("the scheduler failed; ending the %d requests in the batch", len(self._running))
+                    for ticket in list(self._running.values()):
+                        self._end(ticket, InternalError(), "error")
+                    self._lane = self._batch = None
+        finally:
             with self._lock:
-                while not self._closed and not self._waiting and not self._running and keep_going():
-                    self._lock.wait(1.0)
-                if self._closed or not keep_going():
-                    self._closed = True
-                    break
-            self._expire()
-            self._admit()
-            if self._running:
-                self._step()
-        for ticket in list(self._running.values()) + list(self._waiting):
-            self._end(ticket, SpecDecodeError("the server is shutting down"), "error")
+                self._closed = True
+                left = list(self._running.values()) + list(self._waiting)
+                self._waiting.clear()
+            for ticket in left:
+                self._end(ticket, Unavailable("the server is shutting down"), "error")
 
     def _expire(self) -> None:
         """Tickets past their deadline or cancelled by their client end now."""
@@ -236,33 +260,24 @@ class Scheduler:
                 continue
             except Exception:  # a bug: this request fails, the others go on
                 log.exception("request %s failed while joining the batch", ticket.id)
-                self._end(ticket, SpecDecodeError("internal error"), "error")
+                self._end(ticket, InternalError(), "error")
                 continue
             ticket.index = index
             self._running[index] = ticket
 
     def _step(self) -> None:
         t0 = time.perf_counter()
-        try:
-            steps = self._batch.step()
-        except Exception:  # a bug in a step: its rows fail, the scheduler serves on with a fresh batch
-            log.exception("a decode step failed; ending the %d requests in it", len(self._running))
-            for ticket in list(self._running.values()):
-                self._end(ticket, SpecDecodeError("internal error"), "error")
-            self._lane = self._batch = None
-            return
+        steps = self._batch.step()  # (a failure here ends the batch's requests, see run)
         now = time.perf_counter()
         self._step_seconds = 0.9 * self._step_seconds + 0.1 * (now - t0)
-        stats = [self._running[s.index].request.stats for s in steps]
-        self.observer.step(len(steps), self._batch.draft_length, [s.last_drafted for s in stats],
-                           [s.accepted_per_step[-1] for s in stats])
+        self.observer.step(len(steps), self._batch.draft_length)
         for step in steps:
             ticket = self._running[step.index]
             try:
                 self._deliver(ticket, step, now)
             except Exception:
                 log.exception("request %s failed", ticket.id)
-                self._end(ticket, SpecDecodeError("internal error"), "error")
+                self._end(ticket, InternalError(), "error")
 
     def _deliver(self, ticket: Ticket, step, now: float) -> None:
         request = ticket.request
@@ -280,9 +295,9 @@ class Scheduler:
             request.stats.wall_seconds = now - ticket.submitted
             result = GenerationResult(ticket.text.text, list(ticket.text.token_ids), chunk.finish_reason,
                                       len(request.prompt_ids), request.stats)
-            self.observer.finished(result, now - ticket.submitted)
             del self._running[ticket.index]
             ticket.on_event(result)
+            self.observer.finished(result, now - ticket.submitted)
 
     def _end(self, ticket: Ticket, error: SpecDecodeError | None, reason: str) -> None:
         """End a ticket early: its row leaves at the next step, its caller gets ``error`` (or

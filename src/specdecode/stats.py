@@ -20,7 +20,6 @@ class GenerationStats:
     accepted_by_position: list[int] = field(default_factory=list)  # [gamma]: accepted at draft position i
     drafted_by_position: list[int] = field(default_factory=list)  # [gamma]: drafted at draft position i
     accepted_per_step: list[int] = field(default_factory=list)  # accepted drafts of each target forward
-    last_drafted: int = 0  # drafted tokens of the last target forward
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -57,7 +56,6 @@ class GenerationStats:
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.target_forwards += 1
-        self.last_drafted = drafted
         self.accepted_per_step.append(accepted)
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted

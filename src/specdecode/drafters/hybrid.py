@@ -51,7 +51,7 @@ class HybridDrafter:
         by_model = [j for j in range(n) if found.lengths[j] < min(limits[j], self.min_lookup)]
         self.lookup_steps += n - len(by_model)
         self.model_steps += len(by_model)
-        self._model_rows = [rows[j] for j in by_model]
+        self._model_rows.extend(rows[j] for j in by_model)  # (a step may propose per sampling group)
         self.last_source = "model" if by_model else "lookup"
         if not by_model:
             return found
@@ -72,8 +72,9 @@ class HybridDrafter:
         return padded_draft(tokens, probs, self.vocab_size, drafted.probs.dtype if drafted.probs is not None else torch.float32)
 
     def commit(self, rows: Sequence[int], num_accepted: torch.Tensor) -> None:
-        """num_accepted [n]: the model rows of the last proposal roll the draft model's cache back."""
-        if not self._model_rows:
+        """num_accepted [n]: the model rows proposed since the last commit roll the draft model's cache back."""
+        model_rows, self._model_rows = self._model_rows, []
+        if not model_rows:
             return
         position = {int(r): j for j, r in enumerate(rows)}
-        self.model.commit(self._model_rows, num_accepted[[position[int(r)] for r in self._model_rows]])
+        self.model.commit(model_rows, num_accepted[[position[int(r)] for r in model_rows]])

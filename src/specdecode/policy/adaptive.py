@@ -33,7 +33,8 @@ Glossary:
   above then measure the positions such drafts reach.
 - *load-aware start*: in a batch of a size at which the costs measured there make plain steps
   the best, no drafter starts (a draft model's prefill would be paid for nothing); the rows'
-  drafters start at a step where the batch has shrunk to a size where drafting pays.
+  drafters start at a step where the batch has shrunk to a size where drafting pays, or every
+  ``LONGEST_PROBE_GAP`` steps at that size, so its costs are measured again.
 - *stretch*: every ``probe_every`` drafting steps the policy drafts one token past its best
   length, so a position whose estimate went stale (it stopped being drafted after a bad patch)
   is measured again.
@@ -110,6 +111,7 @@ class AdaptiveGamma:
     retest_gap: int = 1  # requests from one re-test to the next
     requests_since_retest: int = 0
     answer_lengths: deque = field(default_factory=lambda: deque(maxlen=RECENT_ANSWERS))  # new tokens of recent requests
+    plain_batch_steps: dict = field(default_factory=dict)  # rows -> steps since drafters last started at that size
 
     def __post_init__(self) -> None:
         self.acceptance = AcceptanceEstimates(self.max_gamma, self.decay, self.prior_acceptance)
@@ -168,7 +170,13 @@ class AdaptiveGamma:
         make plain steps the best (glossary: load-aware start), so no drafter is started then."""
         if not (self.costs.knows_pass(rows) and self.costs.knows_draft(rows)):
             return True  # measure
-        return self.best(self.max_gamma, rows)[0] > 0
+        if self.best(self.max_gamma, rows)[0] > 0:
+            return True
+        self.plain_batch_steps[rows] = self.plain_batch_steps.get(rows, 0) + 1
+        if self.plain_batch_steps[rows] >= LONGEST_PROBE_GAP:  # now and then: start, and measure again
+            self.plain_batch_steps[rows] = 0
+            return True
+        return False
 
     def start_after(self, context_tokens: int, budget: int) -> int:
         """Plain tokens a request with this budget decodes before its drafter starts (glossary:

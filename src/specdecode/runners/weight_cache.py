@@ -237,6 +237,8 @@ class _EntryWriter:
             self.file.seek(self.scales_start)
             for scale in self.scales:
                 self.file.write(scale.numpy().data)
+            self.file.flush()
+            os.fsync(self.file.fileno())  # (an entry of the right size must hold its bytes)
             self.file.close()
             os.replace(self.temp, self.path)
         except OSError as exc:

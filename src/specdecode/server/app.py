@@ -19,11 +19,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..api import GenerationResult, SpeculativeGenerator
 from ..errors import SpecDecodeError
-from ..scheduler import QueueFull, RequestTimeout, Scheduler, Ticket
+from ..scheduler import InternalError, QueueFull, RequestTimeout, Scheduler, Ticket, Unavailable
 from .metrics import Metrics
 from .validate import RequestError, parse
 
 log = logging.getLogger("specdecode.server")
+DISCONNECT_POLL_SECONDS = 0.25  # how often a handler waiting for its request checks its client
 
 
 def _request_error(exc: SpecDecodeError) -> RequestError:
@@ -33,6 +34,10 @@ def _request_error(exc: SpecDecodeError) -> RequestError:
         return error
     if isinstance(exc, RequestTimeout):
         return RequestError(str(exc), None, 504, "timeout")
+    if isinstance(exc, Unavailable):
+        return RequestError(str(exc), None, 503, "unavailable")
+    if isinstance(exc, InternalError):
+        return RequestError(str(exc), None, 500, "internal_error")
     field = "max_tokens" if exc.field == "max_new_tokens" else exc.field
     return RequestError(str(exc).replace("max_new_tokens", "max_tokens"), field)
 
@@ -85,22 +90,26 @@ def create_app(generator: SpeculativeGenerator, model_name: str, max_batch: int 
                 ticket = submit(req, chat, out)
             except SpecDecodeError as exc:
                 raise _request_error(exc) from None
+            except Exception:  # a bug (the prompt's own errors are SpecDecodeErrors): a JSON 500
+                log.exception("a request could not be queued")
+                raise _request_error(InternalError()) from None
         except RequestError as exc:
             metrics.request(endpoint, exc.status)
             return JSONResponse(exc.body(), status_code=exc.status, headers=getattr(exc, "headers", None))
         if req.stream:
-            first = await out.get()
+            first = await _Events(out, http, ticket).next()
+            if first is None:
+                return None
             if isinstance(first, SpecDecodeError):
                 return _error_response(_request_error(first), metrics, endpoint)
             metrics.request(endpoint, 200)
             return StreamingResponse(_sse(ticket, out, first, chat, model_name), media_type="text/event-stream")
-        try:
-            while not isinstance(item := await out.get(), GenerationResult):
-                if isinstance(item, SpecDecodeError):
-                    return _error_response(_request_error(item), metrics, endpoint)
-        except asyncio.CancelledError:  # the client went away
-            ticket.cancel()
-            raise
+        events = _Events(out, http, ticket)
+        while not isinstance(item := await events.next(), GenerationResult):
+            if item is None:
+                return None
+            if isinstance(item, SpecDecodeError):
+                return _error_response(_request_error(item), metrics, endpoint)
         metrics.request(endpoint, 200)
         return _full_response(item, chat, model_name, ticket.id)
 
@@ -116,12 +125,32 @@ def create_app(generator: SpeculativeGenerator, model_name: str, max_batch: int 
 
 
 def _error_response(exc: RequestError, metrics: Metrics, endpoint: str):
-    status = 500 if str(exc) == "internal error" else exc.status
-    metrics.request(endpoint, status)
+    metrics.request(endpoint, exc.status)
     body = exc.body()
-    if status == 500:
+    if exc.status >= 500:
         body["error"]["type"] = "server_error"
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=exc.status)
+
+
+class _Events:
+    """A ticket's events as its handler reads them; a client found gone (checked every
+    DISCONNECT_POLL_SECONDS) cancels the ticket, and the next read is None."""
+
+    def __init__(self, out: asyncio.Queue, http: HTTPRequest, ticket: Ticket):
+        self.out, self.http, self.ticket = out, http, ticket
+        self.checked = time.monotonic()
+
+    async def next(self):
+        while True:
+            if time.monotonic() - self.checked >= DISCONNECT_POLL_SECONDS:
+                self.checked = time.monotonic()
+                if await self.http.is_disconnected():
+                    self.ticket.cancel()
+                    return None
+            try:
+                return await asyncio.wait_for(self.out.get(), DISCONNECT_POLL_SECONDS)
+            except asyncio.TimeoutError:
+                pass
 
 
 def _speculative(result) -> dict:

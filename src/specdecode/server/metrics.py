@@ -71,17 +71,13 @@ class Metrics(Observer):
                                  LATENCY_BUCKETS)
         self.gauges: Callable[[], tuple[int, int]] = lambda: (0, 0)  # (running, waiting), set by the app
 
-    @property
-    def cancelled(self) -> int:
-        return self.ended_early["cancelled"]
-
     def request(self, endpoint: str, status: int) -> None:
         with self.lock:
             self.requests[(endpoint, status)] += 1
 
     # -- the scheduler's observations (its thread) --
 
-    def step(self, rows, draft_length, drafted, accepted) -> None:
+    def step(self, rows, draft_length) -> None:
         with self.lock:
             self.batch_size.observe(rows)
             self.draft_lengths[(rows, draft_length)] += 1
