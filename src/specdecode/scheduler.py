@@ -4,7 +4,9 @@ Glossary:
 - *ticket*: one submitted request: its prompt ids, sampling settings, text stream, deadline and
   where its events go.
 - *waiting*: submitted but not yet in the running batch (a bounded first-in first-out queue);
-  *running*: a row of the batch.
+  *running*: a row of the batch. One waiting ticket joins per step (its prompt prefilled just
+  before the step), so requests that arrive together get their first tokens one step apart
+  instead of all after every prompt's prefill.
 - *lane*: the engine a ticket runs on: the generator's own, or a variant's for a per-request
   drafter or gamma. One lane's batch runs at a time (they share the runners); when the oldest
   waiting ticket is of another lane, admission pauses until the running batch has emptied, and
@@ -238,7 +240,9 @@ class Scheduler:
                 self._end(ticket, RequestTimeout(f"request timed out after {self.timeout:g} s"), "timeout")
 
     def _admit(self) -> None:
-        """Move waiting tickets into free slots of the running batch, oldest first."""
+        """Move the oldest waiting ticket into a free slot of the running batch: one a step, so
+        the running rows wait at most one prefill between steps and arrivals get their first
+        tokens in turn (glossary: waiting)."""
         while True:
             with self._lock:
                 if not self._waiting:
@@ -264,6 +268,7 @@ class Scheduler:
                 continue
             ticket.index = index
             self._running[index] = ticket
+            return
 
     def _step(self) -> None:
         t0 = time.perf_counter()
