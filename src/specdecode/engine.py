@@ -266,12 +266,16 @@ class Batch:
         self.engine, self.params, self.stats = engine, params, stats
         self.eos = set(int(t) for t in eos_ids)
         self.rows: list[_Row | None] = [None] * slots
-        self.draft_length = 0  # the draft length of the last step
         stats.batch_size = slots
         self.started = time.perf_counter()
         engine.target.reset(slots)
         if engine.drafter is not None:
             engine.drafter.reset(slots)
+
+    @property
+    def draft_length(self) -> int:
+        """The draft length the policy chose for the last step."""
+        return self.engine.last_draft_length
 
     @property
     def active(self) -> int:
@@ -305,7 +309,6 @@ class Batch:
             steps.append(step)
             if step.finish_reason is not None:
                 self._release(row)
-        self.draft_length = self.engine.last_draft_length
         batch.wall_seconds = time.perf_counter() - self.started
         return steps
 
