@@ -290,3 +290,26 @@ def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server):
         time.sleep(0.1)
     assert metric(server, "specdecode_cancelled_requests_total") == before + 1
     wait_idle(server)
+
+
+def test_requests_arriving_together_join_before_any_draft_prefill(models, alone, monkeypatch):
+    generator = SpeculativeGenerator(*models, gamma="auto")
+    engine = generator.engine
+    starts, start = [], engine._start_drafter
+
+    def recording(row):
+        starts.append((row.index, row.request.stats.new_tokens))
+        start(row)
+
+    monkeypatch.setattr(engine, "_start_drafter", recording)
+    rows = Rows()
+    scheduler = Scheduler(generator, max_batch=4, observer=rows, start=False)
+    events = [Collect() for _ in PROMPTS[:3]]
+    for prompt, event in zip(PROMPTS, events):
+        scheduler.submit(prompt, SamplingParams(max_new_tokens=20), event)
+    scheduler.run(keep_going=lambda: not all(e.done.is_set() for e in events))
+    for prompt, event in zip(PROMPTS, events):
+        assert event.result.token_ids == alone(prompt, max_new_tokens=20).token_ids
+    assert rows.rows[:3] == [1, 2, 3]  # one joins per step
+    assert sorted(index for index, _ in starts) == [0, 1, 2]  # each drafter started once
+    assert all(tokens >= 1 for _, tokens in starts)  # each after its request's first token

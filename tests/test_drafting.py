@@ -265,3 +265,54 @@ def test_a_batch_where_drafting_does_not_pay_starts_no_drafter_until_it_shrinks(
     assert got[0] == alone[0] and got[1] == alone[1][:10]
     assert requests[1].stats.drafted_tokens == 0  # it only ever ran beside the other
     assert CountingRunner.prefills == 1 and requests[0].stats.drafted_tokens > 0  # started once alone
+
+
+class AlwaysDrafts(AdaptiveGamma):
+    """The adaptive policy as measured costs would make it at every batch size: drafting pays."""
+
+    def drafts_at(self, rows):
+        return True
+
+    def start_after(self, context_tokens, budget):
+        return 0
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "fixed"])
+def test_admission_first_keeps_draft_prefills_out_of_a_joining_requests_way(pair, policy):
+    from specdecode.engine import Request
+
+    target, draft = pair
+    plain = SpecEngine(HFRunner(target), None, SpecConfig())
+    spec = SpecEngine(HFRunner(target), ModelDrafter(CountingRunner(draft)), SpecConfig(gamma=3))
+    if policy == "adaptive":
+        spec.policy = AlwaysDrafts(max_gamma=3)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, VOCAB, (1, n), generator=g)[0].tolist() for n in (9, 5, 7)]
+    params = SamplingParams(max_new_tokens=24)
+    alone = [[t for s in decode(plain, torch.tensor([p]), params) for t in s.tokens] for p in prompts]
+    requests = [Request(p, 24, torch.Generator().manual_seed(0)) for p in prompts]
+    got = {i: [] for i in range(3)}
+
+    def step(hold=False):
+        for s in batch.step(hold_drafters=hold):
+            got[s.index].extend(s.tokens)
+
+    CountingRunner.prefills = 0
+    batch = spec.batch(3, params)
+    batch.add(0, requests[0], defer_draft=True)  # others wait behind it
+    batch.add(1, requests[1], defer_draft=True)
+    starts_at_join = CountingRunner.prefills
+    step(hold=True)  # another request joins after this step
+    after_held_step = CountingRunner.prefills
+    batch.add(2, requests[2], defer_draft=True)
+    step()
+    after_free_step = CountingRunner.prefills
+    while batch.active:
+        step()
+    batch.close()
+    assert [got[i] for i in range(3)] == alone  # greedy output is the same either way
+    if policy == "fixed":  # a fixed schedule drafts the same in any batch: every drafter starts at its join
+        assert starts_at_join == 2 and after_held_step == 2 and after_free_step == 3
+    else:  # no draft prefill at a join into a busy batch, none in a held step, then one a step
+        assert starts_at_join == 0 and after_held_step == 0 and after_free_step == 1
+        assert CountingRunner.prefills == 3 and all(r.stats.drafted_tokens > 0 for r in requests)

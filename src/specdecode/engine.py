@@ -13,7 +13,13 @@ Glossary:
   call to a drafter or runner names its slots.
 - *sampling group*: the rows of a step drawn with the same temperature, top-k and top-p; each
   group is drafted and verified with its own settings, all in the one target pass.
-- *drafting row*: a request whose drafter has started (the policy may defer a start).
+- *drafting row*: a request whose drafter has started (the policy may defer a start). At most
+  one deferred drafter starts a step.
+- *admission first*: while requests wait to join, a policy that follows the load (the adaptive
+  one) keeps joining requests' draft prefills out of the way: a row that joins a busy batch
+  starts its drafter after its first token, and no deferred drafter starts in a step after
+  which another request joins. A waiting request's first token then waits for target prefills
+  and steps only. A fixed policy ignores both, so its rows draft the same way in any batch.
 
 With no drafter every step drafts nothing and the same loop is plain autoregressive decoding,
 so a speedup always compares like with like.
@@ -144,15 +150,18 @@ class SpecEngine:
         finally:
             batch.close()
 
-    def _step(self, rows: list[_Row]) -> Iterator[tuple[_Row, RowStep]]:
-        """One engine step over the active rows, in numbered phases."""
-        # 1. plan: start deferred drafters whose time has come; one draft length for the step
-        # (a request with one token left would prefill the draft for nothing, and so would one
-        # in a batch of a size at which the policy has found that drafting does not pay)
-        if self.drafter is not None and self.policy.drafts_at(len(rows)):
-            for row in rows:
-                if not row.drafting and row.request.stats.new_tokens >= row.start_after and row.remaining > 1:
-                    self._start_drafter(row)
+    def _step(self, rows: list[_Row], hold_drafters: bool = False) -> Iterator[tuple[_Row, RowStep]]:
+        """One engine step over the active rows, in numbered phases; hold_drafters: see Batch.step."""
+        # 1. plan: start the first deferred drafter whose time has come (one a step, so no step
+        # pays for several draft prefills); one draft length for the step. A request with one
+        # token left would prefill the draft for nothing, and so would one in a batch of a size
+        # at which the policy has found that drafting does not pay.
+        held_back = hold_drafters and self.policy.follows_load
+        if self.drafter is not None and not held_back and self.policy.drafts_at(len(rows)):
+            due = [row for row in rows
+                   if not row.drafting and row.request.stats.new_tokens >= row.start_after and row.remaining > 1]
+            if due:
+                self._start_drafter(due[0])
         drafting = [r for r in rows if r.drafting]
         k = self.policy.choose([r.remaining for r in drafting], rows=len(rows)) if drafting else 0
         self.last_draft_length = k
@@ -187,9 +196,10 @@ class SpecEngine:
                 self.policy.finished(stats.new_tokens)
             yield row, RowStep(row.index, new_tokens, finish)
 
-    def _admit(self, slot: int, index: int, request: Request, params: SamplingParams, eos: set[int], rows: int) -> _Row:
+    def _admit(self, slot: int, index: int, request: Request, params: SamplingParams, eos: set[int], rows: int,
+               defer_draft: bool = False) -> _Row:
         """Cache every prompt token but the last (the first pending token) in ``slot``; ``rows``:
-        the batch's rows with this one."""
+        the batch's rows with this one; defer_draft: see Batch.add."""
         t0 = time.perf_counter()
         gamma = self.config.longest_draft if self.drafter is not None else 0
         request.stats.accepted_by_position = [0] * gamma
@@ -199,6 +209,8 @@ class SpecEngine:
         row = _Row(slot, index, request, ids, t0, params, eos)
         if self.drafter is not None:
             row.start_after = self.policy.start_after(len(ids), request.max_new_tokens)
+            if defer_draft and self.policy.follows_load:
+                row.start_after = max(row.start_after, 1)
             if row.start_after == 0 and self.policy.drafts_at(rows):
                 self._start_drafter(row)
         self._sync()
@@ -285,17 +297,22 @@ class Batch:
         self._release_cancelled()
         return [slot for slot, row in enumerate(self.rows) if row is None]
 
-    def add(self, index: int, request: Request) -> None:
-        """Admit ``request`` (``index`` names it in the RowSteps) into a free slot."""
+    def add(self, index: int, request: Request, defer_draft: bool = False) -> None:
+        """Admit ``request`` (``index`` names it in the RowSteps) into a free slot. defer_draft:
+        under a policy that follows the load, the request's drafter starts after its first
+        token instead of with its prompt (glossary: admission first)."""
         self.engine.check_request(request)
         free = self.free_slots()
         if not free:
             raise SpecDecodeError("the batch is full", field="batch_size")
         eos = self.eos if request.eos_ids is None else set(int(t) for t in request.eos_ids)
-        self.rows[free[0]] = self.engine._admit(free[0], index, request, request.params or self.params, eos, self.active + 1)
+        self.rows[free[0]] = self.engine._admit(free[0], index, request, request.params or self.params, eos, self.active + 1,
+                                                 defer_draft)
 
-    def step(self) -> list[RowStep]:
-        """One step over every row; rows that end in it leave the batch."""
+    def step(self, hold_drafters: bool = False) -> list[RowStep]:
+        """One step over every row; rows that end in it leave the batch. hold_drafters: under a
+        policy that follows the load, no deferred drafter starts in this step (glossary:
+        admission first)."""
         self._release_cancelled()
         active = [row for row in self.rows if row is not None]
         if not active:
@@ -304,7 +321,7 @@ class Batch:
         batch.target_forwards += 1
         batch.rows_per_forward += (len(active) - batch.rows_per_forward) / batch.target_forwards
         steps = []
-        for row, step in self.engine._step(active):
+        for row, step in self.engine._step(active, hold_drafters):
             batch.new_tokens += len(step.tokens)
             steps.append(step)
             if step.finish_reason is not None:

@@ -6,7 +6,8 @@ Glossary:
 - *waiting*: submitted but not yet in the running batch (a bounded first-in first-out queue);
   *running*: a row of the batch. One waiting ticket joins per step (its prompt prefilled just
   before the step), so requests that arrive together get their first tokens one step apart
-  instead of all after every prompt's prefill.
+  instead of all after every prompt's prefill. While a waiting ticket could join after the
+  next step, the batch keeps draft prefills out of its way (the engine's *admission first*).
 - *lane*: the engine a ticket runs on: the generator's own, or a variant's for a per-request
   drafter or gamma. One lane's batch runs at a time (they share the runners); when the oldest
   waiting ticket is of another lane, admission pauses until the running batch has emptied, and
@@ -256,9 +257,10 @@ class Scheduler:
                 if not self._batch.free_slots():
                     return
                 self._waiting.popleft()
+                defer_draft = bool(self._running) or self._joinable()
             index, self._next_index = self._next_index, self._next_index + 1
             try:
-                self._batch.add(index, ticket.request)
+                self._batch.add(index, ticket.request, defer_draft)
             except SpecDecodeError as exc:
                 self._end(ticket, exc, "error")
                 continue
@@ -270,9 +272,16 @@ class Scheduler:
             self._running[index] = ticket
             return
 
+    def _joinable(self) -> bool:
+        """Whether the oldest waiting ticket can join the running batch after the next step
+        (with the lock held)."""
+        return bool(self._waiting) and self._waiting[0].lane == self._lane and bool(self._batch.free_slots())
+
     def _step(self) -> None:
         t0 = time.perf_counter()
-        steps = self._batch.step()  # (a failure here ends the batch's requests, see run)
+        with self._lock:
+            hold = self._joinable()
+        steps = self._batch.step(hold_drafters=hold)  # (a failure here ends the batch's requests, see run)
         now = time.perf_counter()
         self._step_seconds = 0.9 * self._step_seconds + 0.1 * (now - t0)
         self.observer.step(len(steps), self._batch.draft_length)

@@ -70,6 +70,8 @@ def _cap(max_gamma: int, remaining: int | Sequence[int]) -> int:
 class FixedGamma:
     """Always ``gamma`` tokens (capped by the budget); measures nothing."""
 
+    follows_load = False  # the engine's admission-first rules do not apply (engine glossary)
+
     def __init__(self, gamma: int):
         self.gamma = gamma
         self.max_gamma = gamma
@@ -97,6 +99,7 @@ class FixedGamma:
 class AdaptiveGamma:
     """The schedule of the module glossary over ``acceptance`` and ``costs``."""
 
+    follows_load = True  # (a class attribute) the engine applies its admission-first rules
     max_gamma: int = 8
     probe_every: int = 8
     decay: float = 0.9  # weight of the past in the running estimates
