@@ -313,3 +313,5 @@ def test_requests_arriving_together_join_before_any_draft_prefill(models, alone,
     assert rows.rows[:3] == [1, 2, 3]  # one joins per step
     assert sorted(index for index, _ in starts) == [0, 1, 2]  # each drafter started once
     assert all(tokens >= 1 for _, tokens in starts)  # each after its request's first token
+    for event in events:  # which came with its join, alone: before the batch's first step
+        assert event.chunks[0].token_ids and len(event.chunks[0].token_ids) == 1

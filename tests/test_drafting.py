@@ -14,6 +14,7 @@ from specdecode.engine import SpecEngine
 from specdecode.stats import GenerationStats
 from specdecode.errors import SpecDecodeError
 from specdecode.policy import AdaptiveGamma, FixedGamma
+from specdecode.policy.adaptive import LONGEST_RETEST_GAP
 from specdecode.runners.hf import HFRunner
 
 from helpers import perturbed, tiny_model, decode
@@ -293,26 +294,61 @@ def test_admission_first_keeps_draft_prefills_out_of_a_joining_requests_way(pair
     requests = [Request(p, 24, torch.Generator().manual_seed(0)) for p in prompts]
     got = {i: [] for i in range(3)}
 
-    def step(hold=False):
-        for s in batch.step(hold_drafters=hold):
+    def take(steps):
+        for s in steps:
             got[s.index].extend(s.tokens)
+        return len(steps)
 
     CountingRunner.prefills = 0
     batch = spec.batch(3, params)
-    batch.add(0, requests[0], defer_draft=True)  # others wait behind it
-    batch.add(1, requests[1], defer_draft=True)
+    first = [take(batch.add(0, requests[0], defer_draft=True)), take(batch.add(1, requests[1], defer_draft=True))]
     starts_at_join = CountingRunner.prefills
-    step(hold=True)  # another request joins after this step
+    take(batch.step(hold_drafters=True))  # another request joins after this step
     after_held_step = CountingRunner.prefills
-    batch.add(2, requests[2], defer_draft=True)
-    step()
+    first.append(take(batch.add(2, requests[2], defer_draft=True)))
+    take(batch.step())
     after_free_step = CountingRunner.prefills
     while batch.active:
-        step()
+        take(batch.step())
     batch.close()
     assert [got[i] for i in range(3)] == alone  # greedy output is the same either way
     if policy == "fixed":  # a fixed schedule drafts the same in any batch: every drafter starts at its join
+        assert first == [0, 0, 0]  # and the first tokens come with the batch's steps
         assert starts_at_join == 2 and after_held_step == 2 and after_free_step == 3
-    else:  # no draft prefill at a join into a busy batch, none in a held step, then one a step
+    else:  # the first token at the join; no draft prefill there nor in a held step; then one a step
+        assert first == [1, 1, 1]
         assert starts_at_join == 0 and after_held_step == 0 and after_free_step == 1
         assert CountingRunner.prefills == 3 and all(r.stats.drafted_tokens > 0 for r in requests)
+
+
+def test_a_start_cost_read_high_once_is_measured_again_and_corrected():
+    policy = AdaptiveGamma(max_gamma=8)
+    feed(policy, 40, lambda k: k, draft_cost=0.01, pass_cost=lambda m: 0.1 + 0.002 * m)  # drafting pays
+    policy.started(100, 20.0)  # a cold first start: 200 ms a context token
+    starts = [policy.start_after(100, 128) for _ in range(2 * LONGEST_RETEST_GAP)]
+    assert [i for i, s in enumerate(starts) if s == 0] == [LONGEST_RETEST_GAP - 1, 2 * LONGEST_RETEST_GAP - 1]
+    policy.started(100, 0.2)  # the re-test's start: 2 ms a token, which replaces the high reading
+    assert policy.costs.start_cost == pytest.approx(0.002)
+    assert policy.start_after(100, 128) == 0
+    policy.started(100, 2.0)  # a reading above the estimate only moves it by the decay's share
+    assert policy.costs.start_cost == pytest.approx(0.9 * 0.002 + 0.1 * 0.02)
+
+
+def test_a_pass_where_some_rows_draft_is_costed_at_its_mean_tokens_a_row():
+    from specdecode.costmodel import expected_tokens
+
+    policy = AdaptiveGamma(max_gamma=8)
+    for _ in range(20):
+        policy.observe([0] * 8, [0] * 8, 0.0, 0.2)  # eight rows, plain: 8 tokens
+        policy.observe([8] * 8, [8] * 8, 0.32, 1.0)  # all draft 8: 72 tokens
+        policy.observe([8] + [0] * 7, [8] + [0] * 7, 0.04, 0.3)  # one drafts 8: 16 tokens, 2 a row
+    assert sorted(policy.costs.passes[8]) == [1.0, 2.0, 9.0]
+    assert policy.costs.knows_draft(1) and policy.costs.knows_draft(8)
+    rates = policy.acceptance.rates()
+    one = (7 + expected_tokens(rates, 8)) / (policy.costs.draft_seconds(8, 1) + policy.costs.pass_seconds(2.0, 8))
+    k, rate = policy.best(8, rows=8, drafting=1)
+    assert (k, rate) == (8, pytest.approx(one))  # the seven passengers' tokens count, at the pass's real width
+    assert policy.choose([100], rows=8) == 8
+    all_k, all_rate = policy.best(8, rows=8)
+    assert all_rate == pytest.approx(max(8 / 0.2 / 8, expected_tokens(rates, all_k)
+                                         / (policy.costs.draft_seconds(all_k, 8) + policy.costs.pass_seconds(1 + all_k, 8))))

@@ -45,7 +45,7 @@ def alpha_from_mean_accepted(mean_accepted: float, gamma: int) -> float:
     return (lo + hi) / 2
 
 
-def interpolate(curve: Mapping[int, float], m: int) -> float | None:
+def interpolate(curve: Mapping[float, float], m: float) -> float | None:
     """T(m) from a measured curve: exact where measured, linear between measured sizes, the
     nearest end outside them; None with nothing measured."""
     if m in curve:
@@ -62,11 +62,12 @@ def interpolate(curve: Mapping[int, float], m: int) -> float | None:
 
 
 def best_length(acceptances: Sequence[float], draft_seconds: Callable[[int], float],
-                pass_seconds: Callable[[int], float], cap: int) -> tuple[int, float]:
-    """(k, tokens per second) of the best draft length in 0..cap; k = 0 is a plain step."""
-    best_k, best_rate = 0, 1.0 / pass_seconds(1)
+                pass_seconds: Callable[[int], float], cap: int, passengers: float = 0.0) -> tuple[int, float]:
+    """(k, tokens per second a drafting row) of the best draft length in 0..cap; k = 0 is a plain
+    step. passengers: rows per drafting row that share the pass without drafting (one token each)."""
+    best_k, best_rate = 0, (1.0 + passengers) / pass_seconds(1)
     for k in range(1, cap + 1):
-        rate = expected_tokens(acceptances, k) / (draft_seconds(k) + pass_seconds(k + 1))
+        rate = (passengers + expected_tokens(acceptances, k)) / (draft_seconds(k) + pass_seconds(k + 1))
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k, best_rate

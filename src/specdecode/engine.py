@@ -13,13 +13,18 @@ Glossary:
   call to a drafter or runner names its slots.
 - *sampling group*: the rows of a step drawn with the same temperature, top-k and top-p; each
   group is drafted and verified with its own settings, all in the one target pass.
+- *features*: with a drafter that reads the target's hidden states (a draft head), every
+  target pass also returns them, and each row's committed ones go to the drafter
+  (``drafters.base``), whether or not the row drafts yet.
 - *drafting row*: a request whose drafter has started (the policy may defer a start). At most
   one deferred drafter starts a step.
-- *admission first*: while requests wait to join, a policy that follows the load (the adaptive
-  one) keeps joining requests' draft prefills out of the way: a row that joins a busy batch
-  starts its drafter after its first token, and no deferred drafter starts in a step after
-  which another request joins. A waiting request's first token then waits for target prefills
-  and steps only. A fixed policy ignores both, so its rows draft the same way in any batch.
+- *admission first*: under a policy that follows the load (the adaptive one), a request that
+  joins a busy batch (rows running or requests waiting) gets its first token as it joins, from
+  a plain step of its row alone right after its prefill, and starts its drafter after that
+  token; no deferred drafter starts in a step after which another request joins. A request's
+  first token then waits for target prefills and one-row passes, not for the batch's steps or
+  other requests' draft prefills. A fixed policy ignores all of this, so its rows draft, and
+  its seeded rows sample, the same way in any batch.
 
 With no drafter every step drafts nothing and the same loop is plain autoregressive decoding,
 so a speedup always compares like with like.
@@ -36,7 +41,7 @@ import torch
 
 from .config import SamplingParams, SpecConfig
 from .drafters import Draft, Drafter
-from .drafters.base import spread
+from .drafters.base import feature_layers, spread
 from .errors import SpecDecodeError
 from .policy import AdaptiveGamma, FixedGamma
 from .runners import Runner, cache_all_but_last
@@ -98,6 +103,7 @@ class SpecEngine:
             )
         self.target = target
         self.drafter = drafter
+        self.feature_layers = feature_layers(drafter)  # what the drafter reads of the target's states (None: nothing)
         self.config = config
         self.verifier = verifier
         self._sync = sync or (lambda: None)
@@ -174,10 +180,10 @@ class SpecEngine:
         draft = _joined(drafts, groups, len(rows))
         t1 = time.perf_counter()
         # 3. verify: one target pass over each row's [pending, drafts...]
-        result = self._verify(rows, groups, drafts, draft)
+        result, states = self._verify(rows, groups, drafts, draft)
         t2 = time.perf_counter()
         # 4. commit / rollback both caches to each row's pending + accepted tokens
-        self._commit(rows, held, result)
+        self._commit(rows, held, result, states)
         accepted = [int(n) for n in result.num_accepted]
         self.policy.observe(draft.lengths, accepted, t1 - t0, t2 - t1)
         # 5. stop check and emit, row by row
@@ -205,7 +211,9 @@ class SpecEngine:
         request.stats.accepted_by_position = [0] * gamma
         request.stats.drafted_by_position = [0] * gamma
         ids = [int(t) for t in request.prompt_ids]
-        cache_all_but_last(self.target, [ids], rows=[slot])
+        states = cache_all_but_last(self.target, [ids], rows=[slot], return_hidden=self.feature_layers)
+        if self.feature_layers is not None:
+            self.drafter.take_features([slot], [0], states)
         row = _Row(slot, index, request, ids, t0, params, eos)
         if self.drafter is not None:
             row.start_after = self.policy.start_after(len(ids), request.max_new_tokens)
@@ -239,19 +247,26 @@ class SpecEngine:
         self._sync()
         return draft if len(held) == len(rows) else spread(draft, held, len(rows))
 
-    def _verify(self, rows: list[_Row], groups: list[list[int]], drafts: list[Draft], draft: Draft) -> VerifyResult:
-        """One target pass over every row; each group of rows sampled alike is verified with its settings."""
+    def _verify(self, rows: list[_Row], groups: list[list[int]], drafts: list[Draft],
+                draft: Draft) -> tuple[VerifyResult, torch.Tensor | None]:
+        """One target pass over every row; each group of rows sampled alike is verified with its
+        settings. Also returns the pass's hidden states [n, k'+1, L, H] when the drafter reads them."""
         block = torch.cat([torch.tensor([[r.context[-1]] for r in rows]), draft.tokens.cpu()], dim=1)  # [n, k'+1]
-        target_logits = self.target.forward(block, rows=[r.slot for r in rows], counts=[1 + n for n in draft.lengths])
+        slots, counts = [r.slot for r in rows], [1 + n for n in draft.lengths]
+        states = None
+        if self.feature_layers is None:
+            target_logits = self.target.forward(block, rows=slots, counts=counts)  # [n, k'+1, V]
+        else:
+            target_logits, states = self.target.forward(block, rows=slots, counts=counts, return_hidden=self.feature_layers)
         if len(groups) == 1:
-            return self._verify_group(rows, drafts[0], target_logits)
+            return self._verify_group(rows, drafts[0], target_logits), states
         num_accepted = torch.zeros(len(rows), dtype=torch.long)
         next_tokens = torch.zeros(len(rows), dtype=torch.long)
         for group, group_draft in zip(groups, drafts):
             width = group_draft.tokens.shape[1] + 1
             part = self._verify_group([rows[j] for j in group], group_draft, target_logits[group, :width])
             num_accepted[group], next_tokens[group] = part.num_accepted.cpu(), part.next_tokens.cpu()
-        return VerifyResult(num_accepted, next_tokens)
+        return VerifyResult(num_accepted, next_tokens), states
 
     def _verify_group(self, rows: list[_Row], draft: Draft, target_logits: torch.Tensor) -> VerifyResult:
         result = self.verifier(draft.tokens.to(target_logits.device), draft.probs, target_logits, rows[0].params,
@@ -259,7 +274,8 @@ class SpecEngine:
         self._sync()
         return result
 
-    def _commit(self, rows: list[_Row], held: list[int], result: VerifyResult) -> None:
+    def _commit(self, rows: list[_Row], held: list[int], result: VerifyResult, states: torch.Tensor | None) -> None:
+        """states [n, k'+1, L, H] | None: the verify pass's hidden states (the drafter gets the kept ones)."""
         lengths = self.target.lengths.clone()
         for j, row in enumerate(rows):
             # the cache holds: committed (without pending) + pending + drafts; keep pending + accepted
@@ -267,6 +283,9 @@ class SpecEngine:
         self.target.truncate(lengths)
         if held:
             self.drafter.commit([rows[j].slot for j in held], result.num_accepted[held])
+        if states is not None:
+            kept = [states[j, : 1 + int(result.num_accepted[j])] for j in range(len(rows))]
+            self.drafter.take_features([r.slot for r in rows], [len(r.context) - 1 for r in rows], kept)
 
 
 class Batch:
@@ -297,17 +316,21 @@ class Batch:
         self._release_cancelled()
         return [slot for slot, row in enumerate(self.rows) if row is None]
 
-    def add(self, index: int, request: Request, defer_draft: bool = False) -> None:
+    def add(self, index: int, request: Request, defer_draft: bool = False) -> list[RowStep]:
         """Admit ``request`` (``index`` names it in the RowSteps) into a free slot. defer_draft:
         under a policy that follows the load, the request's drafter starts after its first
-        token instead of with its prompt (glossary: admission first)."""
+        token instead of with its prompt, and that first token comes at once, from a plain step
+        of this row alone, returned here (glossary: admission first); otherwise nothing is."""
         self.engine.check_request(request)
         free = self.free_slots()
         if not free:
             raise SpecDecodeError("the batch is full", field="batch_size")
         eos = self.eos if request.eos_ids is None else set(int(t) for t in request.eos_ids)
-        self.rows[free[0]] = self.engine._admit(free[0], index, request, request.params or self.params, eos, self.active + 1,
-                                                 defer_draft)
+        row = self.engine._admit(free[0], index, request, request.params or self.params, eos, self.active + 1, defer_draft)
+        self.rows[free[0]] = row
+        if defer_draft and self.engine.policy.follows_load:
+            return self._run([row], hold_drafters=True)
+        return []
 
     def step(self, hold_drafters: bool = False) -> list[RowStep]:
         """One step over every row; rows that end in it leave the batch. hold_drafters: under a
@@ -315,8 +338,10 @@ class Batch:
         admission first)."""
         self._release_cancelled()
         active = [row for row in self.rows if row is not None]
-        if not active:
-            return []
+        return self._run(active, hold_drafters) if active else []
+
+    def _run(self, active: list[_Row], hold_drafters: bool) -> list[RowStep]:
+        """One engine step over ``active``; the rows that end in it leave the batch."""
         batch = self.stats
         batch.target_forwards += 1
         batch.rows_per_forward += (len(active) - batch.rows_per_forward) / batch.target_forwards

@@ -6,8 +6,9 @@ Glossary:
 - *waiting*: submitted but not yet in the running batch (a bounded first-in first-out queue);
   *running*: a row of the batch. One waiting ticket joins per step (its prompt prefilled just
   before the step), so requests that arrive together get their first tokens one step apart
-  instead of all after every prompt's prefill. While a waiting ticket could join after the
-  next step, the batch keeps draft prefills out of its way (the engine's *admission first*).
+  instead of all after every prompt's prefill. A ticket that joins a busy batch gets its first
+  token as it joins, and draft prefills are kept out of the way of tickets about to join (the
+  engine's *admission first*, with gamma ``auto``).
 - *lane*: the engine a ticket runs on: the generator's own, or a variant's for a per-request
   drafter or gamma. One lane's batch runs at a time (they share the runners); when the oldest
   waiting ticket is of another lane, admission pauses until the running batch has emptied, and
@@ -260,7 +261,7 @@ class Scheduler:
                 defer_draft = bool(self._running) or self._joinable()
             index, self._next_index = self._next_index, self._next_index + 1
             try:
-                self._batch.add(index, ticket.request, defer_draft)
+                first = self._batch.add(index, ticket.request, defer_draft)
             except SpecDecodeError as exc:
                 self._end(ticket, exc, "error")
                 continue
@@ -270,6 +271,8 @@ class Scheduler:
                 continue
             ticket.index = index
             self._running[index] = ticket
+            if first:  # its first token came with the join (the engine's admission first)
+                self._deliver_steps(first, time.perf_counter())
             return
 
     def _joinable(self) -> bool:
@@ -285,6 +288,9 @@ class Scheduler:
         now = time.perf_counter()
         self._step_seconds = 0.9 * self._step_seconds + 0.1 * (now - t0)
         self.observer.step(len(steps), self._batch.draft_length)
+        self._deliver_steps(steps, now)
+
+    def _deliver_steps(self, steps, now: float) -> None:
         for step in steps:
             ticket = self._running[step.index]
             try:

@@ -7,6 +7,9 @@ Glossary:
 - *start*: a row's drafter takes its request's context (a draft model prefills it).
 - *commit*: after verification the drafter learns how many of its tokens were accepted, so it
   can keep any cache of its own in step with the committed tokens.
+- *features*: a drafter that drafts from the target's hidden states (a draft head) names the
+  hidden-state indices it reads in ``feature_layers``; the engine then asks the target for them
+  in every pass and hands each row's committed states over with ``take_features``.
 - *rows*: every call is ragged-batched: it names the batch slots it concerns, and gives their
   contexts, draft limits and generators in the same order (one request is slot 0 of a batch of
   one). A proposal is right-padded to its longest row; ``Draft.lengths`` says how many tokens of
@@ -61,6 +64,21 @@ class Drafter(Protocol):
 
     def commit(self, rows: Sequence[int], num_accepted: torch.Tensor) -> None:  # num_accepted [n]
         ...
+
+
+class FeatureDrafter(Drafter, Protocol):
+    feature_layers: tuple[int, ...]  # hidden-state indices it reads (``runners.hf``)
+
+    def take_features(self, rows: Sequence[int], starts: Sequence[int],
+                      features: Sequence[torch.Tensor | None]) -> None:
+        """features[j] [count, L, H]: row rows[j]'s committed tokens' states from position starts[j]."""
+        ...
+
+
+def feature_layers(drafter) -> tuple[int, ...] | None:
+    """The hidden-state indices a drafter reads from the target (None: it reads none)."""
+    layers = getattr(drafter, "feature_layers", None)
+    return tuple(layers) if layers else None
 
 
 def padded_draft(tokens: list[list[int]], probs: list[list[torch.Tensor]] | None, vocab: int,

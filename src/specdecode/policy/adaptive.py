@@ -19,6 +19,10 @@ Glossary:
   A deferral costs every long answer n plain tokens, which is why it is not the default: starting
   at once loses only on answers shorter than n (about 9 tokens with the default pair). With
   nothing measured yet the drafter starts at once, and the first request measures the costs.
+- *start re-test*: a request whose budget cannot earn the start back never starts the drafter,
+  except every ``LONGEST_RETEST_GAP``-th such request, which starts it so that the start cost is
+  measured again (a start cost read high once, say on a cold first call, would otherwise keep
+  every later request from starting and never be corrected).
 - *re-test*: while drafting does not pay, a request decodes plainly without starting the drafter,
   except every ``retest_gap``-th one, which starts it with the request and probes at once (its
   cache is then up to date, so the probe feeds no backlog); the gap doubles after each re-test,
@@ -27,7 +31,9 @@ Glossary:
   next one (up to ``LONGEST_PROBE_GAP`` plain steps); a step that drafts resets it.
 - *estimates*: per-position acceptance and the measured costs (``policy.estimates``), the
   costs kept per number of rows in the pass, so a step's choice is made with the costs of the
-  batch it runs in; the rate formula is ``costmodel``'s.
+  batch it runs in; the rate formula is ``costmodel``'s. In a batch where only some rows draft
+  (the others have not started their drafters), the pass is read at its mean tokens a row and
+  the others count as passengers: a step is worth its tokens over all rows.
 - *confidence stop*: within the chosen length a draft model stops after a token it gave less
   than ``config.SpecConfig.stop_confidence`` (0.7 by default with this policy); the estimates
   above then measure the positions such drafts reach.
@@ -113,6 +119,7 @@ class AdaptiveGamma:
     probe_now: bool = False  # a drafter has just started: probe it on the next step
     retest_gap: int = 1  # requests from one re-test to the next
     requests_since_retest: int = 0
+    unearned_starts: int = 0  # requests since the last start re-test that could not earn a start back
     answer_lengths: deque = field(default_factory=lambda: deque(maxlen=RECENT_ANSWERS))  # new tokens of recent requests
     plain_batch_steps: dict = field(default_factory=dict)  # rows -> steps since drafters last started at that size
 
@@ -120,23 +127,25 @@ class AdaptiveGamma:
         self.acceptance = AcceptanceEstimates(self.max_gamma, self.decay, self.prior_acceptance)
         self.costs = CostEstimates(self.decay)
 
-    def best(self, cap: int, rows: int = 1) -> tuple[int, float]:
-        """(k, tokens per second a row) of the best draft length up to cap for a pass of ``rows``."""
-        costs = self.costs
-        return best_length(self.acceptance.rates(), lambda k: costs.draft_seconds(k, rows),
-                           lambda m: costs.pass_seconds(m, rows), cap)
+    def best(self, cap: int, rows: int = 1, drafting: int | None = None) -> tuple[int, float]:
+        """(k, tokens per second a drafting row) of the best draft length up to cap for a pass of
+        ``rows`` rows of which ``drafting`` (default: all) draft; the others take one token."""
+        costs, d = self.costs, rows if drafting is None else drafting
+        return best_length(self.acceptance.rates(), lambda k: costs.draft_seconds(k, d),
+                           lambda m: costs.pass_seconds(1 + d * (m - 1) / rows, rows), cap, (rows - d) / d)
 
     def choose(self, remaining: int | Sequence[int], rows: int = 1) -> int:
-        """The draft length of the next step of ``rows`` drafting rows; remaining: the budget
-        left, or each row's (the longest bounds the length)."""
+        """The draft length of the next step of a pass of ``rows`` rows; remaining: the budget
+        left of the one drafting row, or of each drafting row (the longest bounds the length)."""
         cap = _cap(self.max_gamma, remaining)
         if cap == 0:
             return 0
+        drafting = 1 if isinstance(remaining, int) else len(remaining)
         if not self.costs.knows_pass(rows):
             return 0  # measure a plain step first
-        if not self.costs.knows_draft(rows):
+        if not self.costs.knows_draft(drafting):
             return min(cap, 2)  # then a short draft
-        best_k, _ = self.best(cap, rows)
+        best_k, _ = self.best(cap, rows, drafting)
         if self.probe_now:
             self.probe_now = False
             if best_k == 0:  # a re-test: probe while the draft's cache is up to date
@@ -162,9 +171,9 @@ class AdaptiveGamma:
         """One engine step: each row's drafted and accepted tokens, and the step's draft and
         verification seconds (all rows together)."""
         rows, longest = len(drafted), max(drafted, default=0)
-        self.costs.observe_pass(rows, longest + 1, verify_seconds)
+        self.costs.observe_pass(rows, 1 + sum(drafted) / rows, verify_seconds)
         if longest:
-            self.costs.observe_draft(rows, longest, draft_seconds)
+            self.costs.observe_draft(sum(n > 0 for n in drafted), longest, draft_seconds)
         for n, kept in zip(drafted, accepted):
             self.acceptance.observe(n, kept)
 
@@ -198,8 +207,12 @@ class AdaptiveGamma:
             self.retest_gap = min(LONGEST_RETEST_GAP, 2 * self.retest_gap)
             return 0
         break_even = math.ceil(costs.start_cost * context_tokens / saving)
-        if budget <= break_even:
-            return budget
+        if budget <= break_even:  # never, but every LONGEST_RETEST_GAP-th such request measures the start again
+            self.unearned_starts += 1
+            if self.unearned_starts < LONGEST_RETEST_GAP:
+                return budget
+            self.unearned_starts = 0
+            return 0
         if any(n <= break_even for n in self.answer_lengths):
             return min(self.longest_deferral, break_even)
         return 0

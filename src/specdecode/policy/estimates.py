@@ -8,13 +8,16 @@ Glossary:
   towards the position before it (position 0 towards ``prior``) with the weight of half an
   observation, so an untested position reads as its predecessor and a few early rejections do
   not outweigh what later steps measure.
-- *pass cost*: decayed seconds of one target pass, per rows in the pass and block width m
-  (the pending token plus the longest draft); read between measured widths by
-  ``costmodel.interpolate``.
+- *pass cost*: decayed seconds of one target pass, per rows in the pass and mean tokens a row m
+  (the pending token plus the row's draft, averaged over the rows: the ragged pass runs the
+  tokens it is given); read between measured widths by ``costmodel.interpolate``.
 - *draft cost*: seconds a draft call of k tokens takes, per rows drafting, as an affine fit
   a + b k over past steps (a call first feeds the tokens committed since the last one, so the
   first token costs more than the others); with one length seen, k times the mean per token.
-- *start cost*: decayed seconds per context token of starting a drafter (a draft model's prefill).
+- *start cost*: seconds per context token of starting a drafter (a draft model's prefill): a
+  reading below the estimate replaces it, one above it is decayed in. A start's cost has a floor
+  and only noise above it (a cold first call, a busy machine), so one low reading is the
+  better guide.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class AcceptanceEstimates:
 @dataclass
 class CostEstimates:
     decay: float = 0.9
-    passes: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> width m -> seconds
+    passes: dict[int, dict[float, float]] = field(default_factory=dict)  # rows -> mean tokens a row -> seconds
     draft_fits: dict[int, list[float]] = field(default_factory=dict)  # rows -> decayed n, k, k^2, y, k*y
     draft_means: dict[int, float] = field(default_factory=dict)  # rows -> seconds per drafted token
     start_cost: float | None = None  # seconds per context token
@@ -67,8 +70,8 @@ class CostEstimates:
     def _decayed(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
-    def observe_pass(self, rows: int, width: int, seconds: float) -> None:
-        curve = self.passes.setdefault(rows, {})
+    def observe_pass(self, rows: int, width: float, seconds: float) -> None:
+        curve, width = self.passes.setdefault(rows, {}), round(width, 2)
         curve[width] = self._decayed(curve.get(width), seconds)
 
     def observe_draft(self, rows: int, k: int, seconds: float) -> None:
@@ -79,7 +82,9 @@ class CostEstimates:
         self.draft_means[rows] = self._decayed(self.draft_means.get(rows), seconds / k)
 
     def observe_start(self, context_tokens: int, seconds: float) -> None:
-        self.start_cost = self._decayed(self.start_cost, seconds / max(1, context_tokens))
+        reading = seconds / max(1, context_tokens)
+        old = self.start_cost
+        self.start_cost = reading if old is None or reading < old else self._decayed(old, reading)
 
     def knows_pass(self, rows: int = 1) -> bool:
         return 1 in self.passes.get(rows, {})
@@ -87,7 +92,7 @@ class CostEstimates:
     def knows_draft(self, rows: int = 1) -> bool:
         return rows in self.draft_means
 
-    def pass_seconds(self, width: int, rows: int = 1) -> float:
+    def pass_seconds(self, width: float, rows: int = 1) -> float:
         return interpolate(self.passes[rows], width)
 
     def draft_seconds(self, k: int, rows: int = 1) -> float:

@@ -11,6 +11,8 @@ Glossary:
   a prompt per row; returns the logits after each last token.
 - *forward*: append tokens at each row's cursor and return logits for every new position.
 - *truncate*: drop cached tokens so each row holds exactly ``lengths[b]`` tokens.
+- *hidden states*: a pass can also return the residual-stream states of its positions at the
+  layers a draft head reads (``return_hidden``, numbered as in ``runners.hf``).
 
 Contract (tested for every runner): ``prefill(a + b)`` gives the same logits as
 ``prefill(a); forward(b)``, and ``truncate`` followed by ``forward`` equals a fresh pass.
@@ -43,6 +45,8 @@ class Runner(Protocol):
     def forward(self, ids: torch.Tensor, rows: Sequence[int] | None = None,
                 counts: Sequence[int] | None = None) -> torch.Tensor:
         ...  # ids [n, S] -> logits [n, S, V]; positions past counts[j] are padding
+    # A runner that serves draft heads (``runners.hf``) also takes return_hidden=[indices] in
+    # prefill and forward and then returns (logits, states [n, T or S, len(indices), H]).
 
     def forward_last(self, ids: torch.Tensor, rows: Sequence[int] | None = None,
                      counts: Sequence[int] | None = None) -> torch.Tensor:
@@ -52,23 +56,31 @@ class Runner(Protocol):
         ...
 
 
-def cache_all_but_last(runner: Runner, ids, rows: Sequence[int] | None = None) -> None:
+def cache_all_but_last(runner: Runner, ids, rows: Sequence[int] | None = None,
+                       return_hidden: Sequence[int] | None = None) -> list[torch.Tensor | None] | None:
     """Make the runner hold every prompt token but the last (the first one fed to decode).
 
     rows None: ids [B, T] starts a new batch. rows given: ids holds one prompt (token list) per
-    named slot of the current batch; each slot is emptied and prefilled alone.
+    named slot of the current batch; each slot is emptied and prefilled alone, and with
+    return_hidden (hidden-state indices, ``runners.hf``) each slot's states [T - 1, L, H] come
+    back in a list (None for a one-token prompt).
     """
     if rows is None:
         if ids.shape[1] > 1:
             runner.prefill(ids[:, :-1])
         else:
             runner.reset(ids.shape[0])
-        return
+        return None
+    states: list[torch.Tensor | None] = []
     for row, prompt in zip(rows, ids):
         prompt = [int(t) for t in prompt]
-        if len(prompt) > 1:
+        if len(prompt) > 1 and return_hidden:
+            states.append(runner.prefill(torch.tensor([prompt[:-1]]), rows=[row], return_hidden=return_hidden)[1][0])
+        elif len(prompt) > 1:
             runner.prefill(torch.tensor([prompt[:-1]]), rows=[row])
         else:
             lengths = runner.lengths.clone()
             lengths[row] = 0
             runner.truncate(lengths)
+            states.append(None)
+    return states if return_hidden else None
