@@ -14,6 +14,7 @@ from specdecode.engine import SpecEngine
 from specdecode.errors import SpecDecodeError
 from specdecode.runners.factory import choose_runner, hf_runner
 from specdecode.runners.hf import HFRunner
+from specdecode.runners.int4 import prepare_int4
 from specdecode.runners.int8 import FusedInt8Member, PerTokenInt8Linear, prepare_int8
 from specdecode.runners.lean import LeanForward
 from specdecode.runners.llamacpp_build import llamacpp_available
@@ -30,6 +31,7 @@ RUNNERS = {
     "hf-gpt2-fp64": (lambda: HFRunner(tiny_model("gpt2", seed=1)), 1e-10),
     "int8-llama": (lambda: int8_runner("llama"), 0.0),
     "int8-qwen2": (lambda: int8_runner("qwen2"), 0.0),
+    "int4-qwen2": (lambda: hf_runner(prepare_int4(tiny_model("qwen2", seed=1, dtype=torch.float32))), 0.0),
     "table": (lambda: TableRunner(12, seed=0), 0.0),
 }
 
@@ -192,6 +194,7 @@ def test_factory_picks_the_runner_and_its_fast_path(monkeypatch, tmp_path, caplo
     from specdecode.runners import factory
 
     cpu = torch.device("cpu")
+    monkeypatch.setattr(factory, "kernel_problem", lambda: "no int4 kernel here")
     assert choose_runner("auto", cpu, torch.float32, "target", gguf="m.gguf") == ("int8" if factory.int8_available() else "hf")
     assert choose_runner("auto", cpu, torch.float64, "draft", gguf="m.gguf") == "hf"
     monkeypatch.setattr(factory, "llamacpp_available", lambda: True)

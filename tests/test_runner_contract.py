@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from specdecode.runners.factory import hf_runner
 from specdecode.runners.hf import HFRunner
+from specdecode.runners.int4 import prepare_int4
 
 from helpers import ARCHS, TableRunner, tiny_model
 
@@ -13,6 +15,9 @@ TOL = 1e-10
 def runners():
     for arch in ARCHS:
         yield pytest.param(lambda arch=arch: HFRunner(tiny_model(arch, seed=1)), id=arch)
+    for arch in ("llama", "qwen2"):  # float32 on the int4 path: bit-exact, so TOL holds too
+        yield pytest.param(lambda arch=arch: hf_runner(prepare_int4(tiny_model(arch, seed=1, dtype=torch.float32))),
+                           id=f"int4-{arch}")
     yield pytest.param(lambda: TableRunner(12, seed=0), id="table")
 
 

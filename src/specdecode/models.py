@@ -140,11 +140,18 @@ def _load_transformers(reference: str, device: torch.device, dtype: torch.dtype,
             f"or loadable hub id ({first[:200]})"
         ) from None
     mapped = time.perf_counter()
-    cache_root = packs.cache_dir() if weight_cache.cache_enabled() else None
-    model = factory.prepare_weights(model.to(device).eval(), runner, location, cache_root)
+    model = prepare_weights(model.to(device).eval(), runner, reference, location)
     log.debug("%s: tokenizer %.1f s, model %.1f s, %s weights %.1f s", reference, loaded - start, mapped - loaded, runner,
               time.perf_counter() - mapped)
     return model, tokenizer
+
+
+def prepare_weights(model, runner: str, reference: str, location: str):
+    """A model loaded from ``location`` (``resolve(reference)``) made ready for its runner kind,
+    through the packed-weight cache unless it is turned off, and for int4 with the reference's
+    GGUF blocks (``runners.factory.prepare_weights``); returns it."""
+    cache_root = packs.cache_dir() if weight_cache.cache_enabled() else None
+    return factory.prepare_weights(model, runner, location, cache_root, gguf_source(reference))
 
 
 def _load_llamacpp(reference: str, progress: bool) -> LoadedModel:

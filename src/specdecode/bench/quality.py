@@ -1,4 +1,4 @@
-"""Quality of the int8 CPU path against float32: teacher-forced top-1 agreement on HumanEval.
+"""Quality of a quantized CPU path (int8 or int4) against float32: teacher-forced top-1 agreement on HumanEval.
 
 Glossary:
 - *teacher-forced*: both models score the same text (prompt + canonical solution) in one pass;
@@ -23,12 +23,16 @@ def _argmax_and_logprobs(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.
     return logits.argmax(-1), torch.log_softmax(logits, -1)
 
 
-def top1_agreement(reference: str, limit: int = 20, offset: int = 0) -> dict:
-    """Score HumanEval solutions with the float32 model, then with the same model made int8."""
+QUALITY_RUNNERS = ("int8", "int4")
+
+
+def top1_agreement(reference: str, limit: int = 20, offset: int = 0, runner: str = "int8") -> dict:
+    """Score HumanEval solutions with the float32 model, then with the same model on the
+    ``runner`` path ('int8' or 'int4', prepared as a load for that runner prepares it: from the
+    weight cache, and for int4 with a GGUF's own Q4_K blocks)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..models import resolve
-    from ..runners.int8 import prepare_int8
+    from ..models import prepare_weights, resolve
 
     location, extra = resolve(reference)
     tokenizer = AutoTokenizer.from_pretrained(location, **extra)
@@ -36,7 +40,7 @@ def top1_agreement(reference: str, limit: int = 20, offset: int = 0) -> dict:
     texts = humaneval_solutions(limit, offset)
     encoded = [torch.tensor([tokenizer.encode(t)]) for t in texts]
     float_runs = [_argmax_and_logprobs(model, ids) for ids in encoded]
-    prepare_int8(model)
+    prepare_weights(model, runner, reference, location)
     agree = total = 0
     kl_sum = 0.0
     per_task = []
@@ -48,5 +52,5 @@ def top1_agreement(reference: str, limit: int = 20, offset: int = 0) -> dict:
         agree += same
         total += top.numel()
         kl_sum += kl * top.numel()
-    return {"model": reference, "tasks": len(texts), "positions": total, "top1_agreement": agree / total,
-            "mean_kl_float32_to_int8": kl_sum / total, "per_task": per_task}
+    return {"model": reference, "runner": runner, "tasks": len(texts), "positions": total,
+            "top1_agreement": agree / total, "mean_kl_float32_to_quantized": kl_sum / total, "per_task": per_task}

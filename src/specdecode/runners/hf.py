@@ -15,6 +15,10 @@ Glossary:
   tokens, bit-identically to the module path.
 - *packed forward*: with the row-wise attention (``runners.attention``), a ragged block runs as
   the real tokens of its rows back to back, no padding computed.
+- *hidden-state index* (``return_hidden``): which residual-stream state of a position to return,
+  as transformers numbers ``hidden_states``: 0 the token embedding, i the output of decoder
+  layer i, and the layer count the final normed state the output head reads. A pass asked for
+  indices returns ``(logits, states)``, states [n, S, len(indices), H] (padding positions: any values).
 
 Every module-path forward gets an explicit additive mask [rows, 1, block, keys] (query i of row
 b sees slots ``0 .. length[b] + i``), which transformers' eager and SDPA attention read; with
@@ -61,9 +65,11 @@ class HFRunner:
         self.cache = RaggedCache(batch_size)
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, rows: Sequence[int] | None = None,
+                return_hidden: Sequence[int] | None = None):
         """ids [n, T] -> logits after the last token [n, V]. With ``rows`` only those rows of the
-        current batch are emptied and refilled; without, the cache is reset to n rows."""
+        current batch are emptied and refilled; without, the cache is reset to n rows.
+        return_hidden: (logits [n, V], states [n, T, L, H]) (module glossary: hidden-state index)."""
         if rows is None:
             self.reset(ids.shape[0])
         elif self.cache is None:
@@ -71,15 +77,21 @@ class HFRunner:
         else:
             for r in rows:
                 self.cache.row_lengths[r] = 0
-        return self._run(ids, rows, None, last_only=True)[:, -1]
+        scored = self._run(ids, rows, None, last_only=True, layers=tuple(return_hidden or ()))
+        if return_hidden:
+            logits, states = scored
+            return logits[:, -1], states
+        return scored[:, -1]
 
     @torch.inference_mode()
     def forward(
-        self, ids: torch.Tensor, rows: Sequence[int] | None = None, counts: Sequence[int] | None = None
-    ) -> torch.Tensor:
+        self, ids: torch.Tensor, rows: Sequence[int] | None = None, counts: Sequence[int] | None = None,
+        return_hidden: Sequence[int] | None = None,
+    ):
         """ids [n, S] -> logits [n, S, V]: append to ``rows`` (default: every row); row j keeps
-        only its first counts[j] tokens (default: all S)."""
-        return self._run(ids, rows, counts, last_only=False)
+        only its first counts[j] tokens (default: all S). return_hidden: (logits [n, S, V],
+        states [n, S, L, H]) (module glossary: hidden-state index)."""
+        return self._run(ids, rows, counts, last_only=False, layers=tuple(return_hidden or ()))
 
     @torch.inference_mode()
     def forward_last(
@@ -109,7 +121,8 @@ class HFRunner:
         """Row ``row``'s first ``cells`` cached keys and values, per layer [kv heads, cells, head dim]."""
         return self.cache.row_keys_values(row, cells)
 
-    def _run(self, ids, rows, counts, last_only: bool) -> torch.Tensor:
+    def _run(self, ids, rows, counts, last_only: bool, layers: tuple[int, ...] = ()):
+        """logits [n, S, V] ([n, 1, V] with last_only), or (logits, states [n, S, L, H]) with layers."""
         if self.cache is None:
             self.reset(ids.shape[0])
         cache = self.cache
@@ -123,14 +136,14 @@ class HFRunner:
         if longest > self.max_context:
             raise SpecDecodeError(f"context of {longest} tokens exceeds the model's {self.max_context}")
         if self._fast_takes(counts):
-            logits = self._run_fast(ids, rows, starts, counts, last_only)
+            scored = self._run_fast(ids, rows, starts, counts, last_only, layers)
         elif not last_only and n > 1 and sum(counts) < n * width and self._packs():
-            logits = self._run_packed(ids, rows, starts, counts)
+            scored = self._run_packed(ids, rows, starts, counts, layers)
         else:
-            logits = self._run_block(ids, rows, starts, last_only)
+            scored = self._run_block(ids, rows, starts, last_only, layers)
         for r, s, c in zip(rows, starts, counts):
             cache.row_lengths[r] = s + c
-        return logits
+        return scored
 
     def _fast_takes(self, counts: list[int]) -> bool:
         """Every row has 1 to fast.max_block tokens and the runner has a fast path."""
@@ -140,31 +153,46 @@ class HFRunner:
         """Ragged blocks run packed (no padding computed) when the model uses the row-wise attention."""
         return self._rowwise
 
-    def _run_block(self, ids, rows, starts, last_only: bool) -> torch.Tensor:
-        """ids [n, S] through the module path, padding included; logits [n, S, V] ([n, 1, V] with last_only)."""
+    def _run_block(self, ids, rows, starts, last_only: bool, layers: tuple[int, ...]):
+        """ids [n, S] through the module path, padding included; logits [n, S, V] ([n, 1, V] with
+        last_only), and states [n, S, L, H] with layers."""
         width = ids.shape[1]
         layout = BlockLayout(rows, starts, width)
         positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)  # [n, S]
         extra = {LAYOUT_KWARG: layout} if self._rowwise else {}
         with self.cache.writing(layout):
             out = self.model(input_ids=ids.to(self.device), position_ids=positions, attention_mask=self._mask(starts, width),
-                             cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0, **extra)
+                             cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0,
+                             output_hidden_states=bool(layers), **extra)
+        if layers:
+            return out.logits, torch.stack([out.hidden_states[i] for i in layers], dim=2)
         return out.logits
 
-    def _run_fast(self, ids, rows, starts, counts, last_only: bool) -> torch.Tensor:
+    def _run_fast(self, ids, rows, starts, counts, last_only: bool, layers: tuple[int, ...]):
         """Each row's real tokens back to back through the fast path; logits [n, S, V] (zeros in
-        padding), or [n, 1, V] after each row's last token with last_only."""
+        padding), or [n, 1, V] after each row's last token with last_only; states [n, S, L, H] with layers."""
         n, width = ids.shape
         flat = ids[0] if n == 1 and counts[0] == width else torch.cat([ids[j, :c] for j, c in enumerate(counts)])
-        logits = self.fast(flat.to(self.device), self.cache, list(zip(rows, starts, counts)), keep_last=last_only)
+        scored = self.fast(flat.to(self.device), self.cache, list(zip(rows, starts, counts)), keep_last=last_only,
+                           return_hidden=layers)
+        if not layers:
+            return self._fast_logits(scored, counts, width, last_only)
+        logits, states = scored
+        return self._fast_logits(logits, counts, width, last_only), _padded(states, counts, width)
+
+    @staticmethod
+    def _fast_logits(logits: torch.Tensor, counts: list[int], width: int, last_only: bool) -> torch.Tensor:
+        """The fast path's logits ([T, V], or [n, V] with last_only) in the block's shape."""
+        n = len(counts)
         if last_only:
             return logits[:, None]
         if n == 1 and counts[0] == width:
             return logits[None]
         return _padded(logits, counts, width)
 
-    def _run_packed(self, ids, rows, starts, counts) -> torch.Tensor:
-        """Score only the real tokens, as one sequence; logits come back padded [n, S, V] (zeros in padding)."""
+    def _run_packed(self, ids, rows, starts, counts, layers: tuple[int, ...]):
+        """Score only the real tokens, as one sequence; logits come back padded [n, S, V] (zeros in
+        padding), and states [n, S, L, H] with layers."""
         layout = PackedLayout(rows, starts, counts, self.device)
         flat = torch.cat([ids[j, :c] for j, c in enumerate(counts)])[None]  # [1, T]
         positions = layout.token_slots[None]  # a token's cache slot is its position
@@ -172,8 +200,12 @@ class HFRunner:
         placeholder = torch.zeros((1, 1, flat.shape[1], 1), dtype=self.dtype, device=self.device)
         with self.cache.writing(layout):
             out = self.model(input_ids=flat.to(self.device), position_ids=positions, attention_mask=placeholder,
-                             cache=self.cache, use_cache=True, logits_to_keep=0, **{LAYOUT_KWARG: layout})
-        return _padded(out.logits[0], counts, ids.shape[1])
+                             cache=self.cache, use_cache=True, logits_to_keep=0, output_hidden_states=bool(layers),
+                             **{LAYOUT_KWARG: layout})
+        logits = _padded(out.logits[0], counts, ids.shape[1])
+        if layers:
+            return logits, _padded(torch.stack([out.hidden_states[i][0] for i in layers], dim=1), counts, ids.shape[1])
+        return logits
 
     def _mask(self, starts: list[int], width: int) -> torch.Tensor:
         """[n, 1, width, keys] additive mask: query i of row j sees slots 0 .. starts[j] + i."""
@@ -186,8 +218,8 @@ class HFRunner:
 
 
 def _padded(logits: torch.Tensor, counts: list[int], width: int) -> torch.Tensor:
-    """logits [T, V] of rows' tokens back to back (row j has counts[j]) -> [n, width, V], zeros in padding."""
-    padded = logits.new_zeros((len(counts), width, logits.shape[-1]))
+    """logits [T, ...] of rows' tokens back to back (row j has counts[j]) -> [n, width, ...], zeros in padding."""
+    padded = logits.new_zeros((len(counts), width) + tuple(logits.shape[1:]))
     offset = 0
     for j, c in enumerate(counts):
         padded[j, :c] = logits[offset : offset + c]

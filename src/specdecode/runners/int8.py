@@ -122,35 +122,36 @@ class PerTokenInt8Linear(nn.Module):
         return _like_input(out.view(*x.shape[:-1], self.out_features), x)
 
 
-class FusedInt8Group:
-    """Sibling linears that read the same input (q/k/v, gate/up) as one int8 matmul.
+def stacked_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
+    """float32 [sum out]: the linears' biases end to end (zeros for one without), or None when none has one."""
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([(lin.bias if lin.bias is not None else torch.zeros(lin.out_features)).detach().to(torch.float32)
+                      for lin in linears])
 
-    Each member is a ``FusedInt8Member`` module; the first member called with an input runs the
-    stacked weight once and keeps the result, and the others called with that same tensor take
-    their slice. Every output column is the same integer dot product and the same per-row
-    rescale as in its own matmul, so the result is bit-identical to unfused per-token linears,
-    with a third of the calls for q/k/v. A member called with a different input (a model that
-    feeds its siblings different tensors) simply recomputes: correct either way."""
 
-    def __init__(self, linears: list[nn.Linear], qweight: torch.Tensor | None = None):
-        """qweight: the stacked quantized weight [sum out, in] (default: quantised from the linears here)."""
-        self.packed = _pack(quantize_weight(_stacked(linears)) if qweight is None else qweight)
+class FusedGroup:
+    """Sibling linears that read the same input (q/k/v, gate/up) as one matmul over their stacked
+    weight (``rows``, given by each quantized path).
+
+    Each member is a ``FusedMember`` module; the first member called with an input runs the
+    stacked matmul once and keeps the result, and the others called with that same tensor take
+    their slice. A member called with a different input (a model that feeds its siblings
+    different tensors) simply recomputes: correct either way."""
+
+    def __init__(self, linears: list[nn.Linear]):
         self.in_features = linears[0].in_features
         self.bounds, start = [], 0
         for lin in linears:
             self.bounds.append((start, start + lin.out_features))
             start += lin.out_features
-        # one add for the whole group; a member without a bias gets zeros there
-        biases = [lin.bias if lin.bias is not None else torch.zeros(lin.out_features) for lin in linears]
-        has_bias = any(lin.bias is not None for lin in linears)
-        self.bias = torch.cat([b.detach().to(torch.float32) for b in biases]) if has_bias else None
+        self.bias = stacked_bias(linears)  # one add for the whole group
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
         self._served: set[int] = set()
 
     def rows(self, rows: torch.Tensor) -> torch.Tensor:  # [M, in] float32 -> [M, sum out] float32
-        out = _per_token_matmul(self.packed, rows)
-        return out if self.bias is None else out.add_(self.bias)
+        raise NotImplementedError
 
     def output(self, x: torch.Tensor, member: int) -> torch.Tensor:  # -> [M, sum out] float32
         if self._input is not x or member in self._served:
@@ -162,8 +163,10 @@ class FusedInt8Group:
         return out
 
 
-class FusedInt8Member(nn.Module):
-    def __init__(self, group: FusedInt8Group, member: int):
+class FusedMember(nn.Module):
+    """One linear of a FusedGroup: its columns of the group's output."""
+
+    def __init__(self, group: FusedGroup, member: int):
         super().__init__()
         self._group, self._member = group, member
         self.in_features = group.in_features
@@ -173,6 +176,25 @@ class FusedInt8Member(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._group.output(x, self._member)[:, self._columns]
         return _like_input(out.reshape(*x.shape[:-1], self.out_features), x)
+
+
+class FusedInt8Group(FusedGroup):
+    """A FusedGroup on fbgemm's int8 matmul. Every output column is the same integer dot product
+    and the same per-row rescale as in its own matmul, so the result is bit-identical to unfused
+    per-token linears, with a third of the calls for q/k/v."""
+
+    def __init__(self, linears: list[nn.Linear], qweight: torch.Tensor | None = None):
+        """qweight: the stacked quantized weight [sum out, in] (default: quantised from the linears here)."""
+        super().__init__(linears)
+        self.packed = _pack(quantize_weight(_stacked(linears)) if qweight is None else qweight)
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:  # [M, in] float32 -> [M, sum out] float32
+        out = _per_token_matmul(self.packed, rows)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class FusedInt8Member(FusedMember):
+    """A member of a FusedInt8Group."""
 
 
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

@@ -1,8 +1,8 @@
-"""A direct decode forward for Llama-family models on the int8 path (Qwen2, Llama).
+"""A direct decode forward for Llama-family models on the int8 or int4 path (Qwen2, Llama).
 
 Glossary:
 - *lean forward*: the same tensor ops, in the same order and on the same dtypes, as
-  transformers' module tree over ``runners.int8`` (embedding, rotary tables, per layer: norm,
+  transformers' module tree over ``runners.int8`` or ``runners.int4`` (embedding, rotary tables, per layer: norm,
   fused q/k/v, rotary, cache write, row-wise attention, o_proj, residual, norm, fused gate/up,
   activation, down_proj, residual; final norm, head), called straight from one loop. What it
   drops is the per-module Python around them (decorators, keyword plumbing, mask building,
@@ -26,10 +26,13 @@ import torch
 from torch import nn
 
 from .attention import ROWWISE_ATTENTION, ROWWISE_MAX_BLOCK, PackedLayout, Segment, attend, segment_picks
+from .int4 import FusedInt4Member, PerTokenInt4Linear
 from .int8 import FusedInt8Member, PerTokenInt8Linear
 
 LEAN_MODEL_TYPES = ("qwen2", "llama")
 LEAN_LAYER_CLASSES = ("Qwen2DecoderLayer", "LlamaDecoderLayer")
+# the modules each quantized path puts in place of a lone linear and of a fused sibling
+LEAN_LINEARS = {PerTokenInt8Linear: FusedInt8Member, PerTokenInt4Linear: FusedInt4Member}
 
 
 class LeanLayer:
@@ -62,7 +65,7 @@ class LeanForward:
     @staticmethod
     def supports(model: nn.Module) -> bool:
         """Only the shapes this loop mirrors op for op: a Llama-family model prepared by
-        ``runners.int8.prepare_int8`` with full attention in every layer."""
+        ``runners.int8.prepare_int8`` or ``runners.int4.prepare_int4`` with full attention in every layer."""
         config = getattr(model, "config", None)
         if getattr(config, "model_type", None) not in LEAN_MODEL_TYPES:
             return False
@@ -72,26 +75,32 @@ class LeanForward:
             return False
         base = getattr(model, "model", None)
         layers = getattr(base, "layers", None)
-        if layers is None or not isinstance(getattr(model, "lm_head", None), PerTokenInt8Linear):
+        member = LEAN_LINEARS.get(type(getattr(model, "lm_head", None)))
+        if layers is None or member is None:
             return False
+        linear = type(model.lm_head)
         for layer in layers:
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             members = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")] + [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
-            if not all(isinstance(m, FusedInt8Member) for m in members):
+            if not all(isinstance(m, member) for m in members):
                 return False
-            if not (isinstance(attn.o_proj, PerTokenInt8Linear) and isinstance(mlp.down_proj, PerTokenInt8Linear)):
+            if not (isinstance(attn.o_proj, linear) and isinstance(mlp.down_proj, linear)):
                 return False
             if type(layer).__name__ not in LEAN_LAYER_CLASSES:  # a subclass may change the block
                 return False
         return True
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, cache, segments: list[tuple[int, int, int]], keep_last: bool = False) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, cache, segments: list[tuple[int, int, int]], keep_last: bool = False,
+                 return_hidden: tuple[int, ...] = ()):
         """ids [T] holding the tokens of several rows back to back; segments [(row, start, count)]
         in that order (count tokens for cache row ``row`` from slot ``start``) -> logits [T, V],
-        or [len(segments), V] after each segment's last token with keep_last."""
+        or [len(segments), V] after each segment's last token with keep_last. return_hidden:
+        hidden-state indices (``runners.hf``'s glossary) to return as well: then
+        (logits, states [T, len(return_hidden), H]), every position's states whatever keep_last."""
         total = ids.shape[0]
         x = self.embed(ids[None])  # [1, T, H]
+        states = {0: x} if 0 in return_hidden else {}
         if len(segments) == 1:
             row, start, _ = segments[0]
             packed, positions = None, torch.arange(start, start + total)
@@ -123,10 +132,17 @@ class LeanForward:
             gate_up = layer.gate_up.rows(h)
             hidden = layer.act(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate :]
             x = layer.down_proj.rows(hidden).add_(x).view(1, total, -1)
+            if index + 1 in return_hidden:
+                states[index + 1] = x
         x = self.norm(x)
+        if len(self.layers) in return_hidden:
+            states[len(self.layers)] = x  # the last index is the normed state the head reads
         if keep_last:
             x = x[:, [seg.query_start + seg.count - 1 for seg in order]]
-        return self.head(x)[0]
+        logits = self.head(x)[0]
+        if not return_hidden:
+            return logits
+        return logits, torch.stack([states[i][0] for i in return_hidden], dim=1)
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:  # [..., D] -> sin with its first half negated
