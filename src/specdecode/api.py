@@ -28,6 +28,8 @@ from .results import BatchResult, GenerationResult, GenerationStream, StreamChun
 from .stats import BatchStats
 from .text import TextStream
 
+HEAD_PREFIX = "head:"  # a draft reference naming a head file: head:PATH
+
 
 class SpeculativeGenerator:
     def __init__(
@@ -38,10 +40,12 @@ class SpeculativeGenerator:
         drafter: str | None = None,
         draft_confidence: float | None = None,
         runners: tuple | None = None,
+        head: str | None = None,
     ):
         """runners: (target runner, draft runner) to share with another generator (see ``variant``).
         drafter: "model" (the draft model; the default when one is given), "ngram", "hybrid"
-        (n-gram lookup when it finds a continuation, else the draft model) or None (plain).
+        (n-gram lookup when it finds a continuation, else the draft model), "head" (the draft
+        head file at ``head``, made by ``specdecode train-head`` for this target) or None (plain).
         gamma: tokens drafted per step, or "auto" for the adaptive policy.
         draft_confidence: stop a draft after a token the draft model gave less than this
         probability; None: 0.7 with gamma "auto", off with a fixed gamma (config.SpecConfig)."""
@@ -61,8 +65,10 @@ class SpeculativeGenerator:
                     "speculative decoding needs the same tokenizer"
                 )
             self._draft_runner = self._draft_runner or draft.make_runner()
+        self.head = head
         self.drafter = make_drafter(kind, self.target_runner.vocab_size,
-                                    self._draft_runner if kind in ("model", "hybrid") else None)
+                                    self._draft_runner if kind in ("model", "hybrid") else None,
+                                    head=head, target_model=target.model if kind == "head" else None)
         self.drafter_kind = kind
         self._sync = torch.cuda.synchronize if self.target_runner.device.type == "cuda" else None
         self.engine = self._engine(self.spec_config)
@@ -102,16 +108,18 @@ class SpeculativeGenerator:
         SpecConfig(gamma=gamma, draft_confidence=draft_confidence)  # validate before the slow part
         torch_device, torch_dtype = models.parse_device(device), models.parse_dtype(dtype)
         models.check_reference(target, runner, "target")
-        if draft is not None and draft.lower() not in ("none", "ngram"):
+        if draft is not None and draft.lower() not in ("none", "ngram") and not draft.startswith(HEAD_PREFIX):
             models.check_reference(draft, draft_runner, "draft")
         loaded_target = models.load(target, torch_device, torch_dtype, progress, runner, "target")
-        loaded_draft, kind = None, drafter
+        loaded_draft, kind, head = None, drafter, None
         if draft is not None and draft.lower() == "ngram":
             kind = "ngram"
+        elif draft is not None and draft.startswith(HEAD_PREFIX):
+            kind, head = "head", draft[len(HEAD_PREFIX):]
         elif draft is not None and draft.lower() != "none":
             loaded_draft = models.load(draft, torch_device, torch_dtype, progress, draft_runner, "draft", draft_vocab,
                                        draft_quant, draft_prefill)
-        return cls(loaded_target, loaded_draft, gamma=gamma, drafter=kind, draft_confidence=draft_confidence)
+        return cls(loaded_target, loaded_draft, gamma=gamma, drafter=kind, draft_confidence=draft_confidence, head=head)
 
     def variant(self, drafter: str | None, gamma: int | str | None = None, draft_confidence: float | None = None):
         """Another generator over the same loaded models and runners (one request at a time across both)."""
@@ -119,7 +127,7 @@ class SpeculativeGenerator:
             self.target, self.draft if drafter in ("model", "hybrid") else None,
             gamma=self.spec_config.gamma if gamma is None else gamma, drafter=drafter,
             draft_confidence=self.spec_config.draft_confidence if draft_confidence is None else draft_confidence,
-            runners=(self.target_runner, self._draft_runner),
+            runners=(self.target_runner, self._draft_runner), head=self.head if drafter == "head" else None,
         )
 
     def _engine(self, config: SpecConfig) -> SpecEngine:

@@ -48,7 +48,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_model_args(p: argparse.ArgumentParser, draft_default: str | None = packs.DEFAULT_DRAFT) -> None:
     p.add_argument("--target", default=packs.DEFAULT_TARGET, help="target model: pack name, .gguf, directory or hub id (default: %(default)s)")
-    p.add_argument("--draft", default=draft_default, help="draft model reference, 'ngram' for prompt lookup, or 'none' for plain decoding (default: %(default)s)")
+    p.add_argument("--draft", default=draft_default, help="draft model reference, 'ngram' for prompt lookup, 'head:PATH' for a draft head made by "
+                   "train-head, or 'none' for plain decoding (default: %(default)s)")
     p.add_argument("--gamma", default="5", help="tokens drafted per step, or 'auto' to adapt it each step to maximise "
                    "tokens/s (up to 8, with --draft-confidence 0.7; falls back to plain decoding while drafting does not "
                    "pay, and defers the draft prefill where it would not pay back) (default: %(default)s)")
@@ -58,8 +59,8 @@ def _add_model_args(p: argparse.ArgumentParser, draft_default: str | None = pack
     p.add_argument("--draft-confidence", type=float, default=None,
                    help="stop drafting after a token the draft model gave less than this probability, 0 = off "
                    f"(default: {ADAPTIVE_DRAFT_CONFIDENCE} with --gamma auto, off with a fixed gamma)")
-    p.add_argument("--runner", default="auto", help="target runner: auto, hf or int8 (default: %(default)s; auto = int8 on CPU in float32)")
-    p.add_argument("--draft-runner", default="auto", help="draft runner: auto, hf, int8 or llamacpp (default: %(default)s; auto = llamacpp for a GGUF draft when installed with AVX-512 kernels, else int8, on CPU)")
+    p.add_argument("--runner", default="auto", help="target runner: auto, hf, int8 or int4 (default: %(default)s; auto = int4 on CPU in float32 where its kernel builds (AVX-512 VNNI), else int8)")
+    p.add_argument("--draft-runner", default="auto", help="draft runner: auto, hf, int8, int4 or llamacpp (default: %(default)s; auto = llamacpp for a GGUF draft when installed with AVX-512 kernels, else int8, on CPU)")
     p.add_argument("--draft-vocab", default="full" if DEFAULT_DRAFT_VOCAB is None else str(DEFAULT_DRAFT_VOCAB),
                    help="token ids a llama.cpp draft scores: its lowest N ids plus the control tokens, or 'full' "
                    "(a cheaper draft token, lower acceptance when the text needs dropped ids; the output is unchanged) (default: %(default)s)")
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.set_defaults(gamma="auto")
 
     bench = sub.add_parser("bench", help="measure methods side by side on a prompt suite")
     _add_model_args(bench)
@@ -135,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(tune)
     _add_suite_args(tune, limit=3)
 
-    quality = sub.add_parser("quality", help="top-1 agreement of the int8 CPU path with float32 on HumanEval")
+    quality = sub.add_parser("quality", help="top-1 agreement of a quantized CPU path with float32 on HumanEval")
     quality.add_argument("--target", default=packs.DEFAULT_TARGET, help="model reference (default: %(default)s)")
+    quality.add_argument("--runner", default="int8", choices=("int8", "int4"), help="the path compared (default: %(default)s)")
     quality.add_argument("--limit", type=int, default=20, help="HumanEval tasks (default: %(default)s)")
     quality.add_argument("--offset", type=int, default=0, help="first task (default: %(default)s)")
     quality.add_argument("--out", default=None, help="write the JSON result here too")
@@ -173,6 +176,23 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: every answer max-tokens long")
     load.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default: %(default)s)")
     load.add_argument("--out", default="loadtest-out", help="folder for loadtest.json and the plots (default: %(default)s)")
+
+    th = sub.add_parser("train-head", help="train a draft head on the target's own features (use it as --draft head:OUT/head.pt)")
+    th.add_argument("--target", default=packs.DEFAULT_TARGET, help="target model reference (default: %(default)s)")
+    th.add_argument("--out", required=True, help="folder for the feature cache, checkpoint.pt and head.pt; a rerun resumes")
+    th.add_argument("--kind", default="eagle", choices=("eagle", "medusa"), help="head kind (default: %(default)s)")
+    th.add_argument("--steps", type=int, default=2000, help="training windows (default: %(default)s)")
+    th.add_argument("--new-tokens", type=int, default=128, help="greedy tokens the target adds to each prompt (default: %(default)s)")
+    th.add_argument("--prompts-file", default=None, help="JSONL prompts to train on (default: HumanEval tasks 40-163)")
+    th.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    th.add_argument("--draft-vocab", type=int, default=32768, help="target ids the head scores, the most frequent (default: %(default)s)")
+    th.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    th.add_argument("--window", type=int, default=256, help="positions per training window (default: %(default)s)")
+    th.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default: %(default)s)")
+    th.add_argument("--runner", default="auto", help="target runner: auto, hf, int8, int4 (default: %(default)s)")
+    th.add_argument("--device", default="cpu")
+    th.add_argument("--dtype", default="float32")
+    th.add_argument("--seed", type=int, default=0)
 
     mod = sub.add_parser("models", help="list model packs or print a pack's file path")
     mod_sub = mod.add_subparsers(dest="models_command", parser_class=_Parser)
@@ -214,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             return _quality(args)
         if args.command == "models":
             return _models(args, parser)
+        if args.command == "train-head":
+            return _train_head(args)
         parser.print_help()
         return 2
     except SpecDecodeError as exc:
@@ -222,6 +244,30 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specdecode: interrupted", file=sys.stderr)
         return 130
+
+
+def _train_head(args) -> int:
+    from . import models
+    from .bench.suites import humaneval_tasks
+    from .headtrain import train_head
+
+    if args.steps < 1 or args.new_tokens < 0 or args.draft_vocab < 1 or args.window < 2 or args.checkpoint_every < 1:
+        raise SpecDecodeError("--steps, --draft-vocab and --checkpoint-every must be >= 1, --window >= 2, --new-tokens >= 0")
+    device, dtype = models.parse_device(args.device), models.parse_dtype(args.dtype)
+    models.check_reference(args.target, args.runner, "target")
+    target = models.load(args.target, device, dtype, True, args.runner, "target")
+    if args.prompts_file:
+        texts = [spec["prompt"] for _, spec in read_prompts_file(args.prompts_file)]
+    else:
+        texts = [task["prompt"] for task in humaneval_tasks()[40:]]
+    texts = texts[: args.limit] if args.limit else texts
+    prompts = [ids for ids in (target.tokenizer.encode(t) for t in texts) if len(ids) >= 2]
+    t0 = time.perf_counter()
+    path = train_head(target.model, target.make_runner(), prompts, args.out, kind=args.kind, steps=args.steps,
+                      new_tokens=args.new_tokens, draft_vocab=args.draft_vocab, lr=args.lr, window=args.window,
+                      checkpoint_every=args.checkpoint_every, eos_ids=models.eos_token_ids(target), seed=args.seed)
+    print(f"{path}  ({len(prompts)} prompts, {time.perf_counter() - t0:.0f} s; use it as --draft head:{path})")
+    return 0
 
 
 def _sampling_from(args):
@@ -251,6 +297,8 @@ def _drafter_kind(args) -> str | None:
         return "ngram"
     if (args.draft or "none").lower() == "none":
         return None
+    if (args.draft or "").startswith("head:"):
+        return "head"
     return args.drafter
 
 
@@ -363,10 +411,10 @@ def _quality(args) -> int:
 
     if args.limit < 1 or args.offset < 0:
         raise SpecDecodeError("--limit must be >= 1 and --offset >= 0")
-    result = top1_agreement(args.target, args.limit, args.offset)
-    print(f"{result['model']}: int8 vs float32 top-1 agreement {result['top1_agreement']:.4f} over "
+    result = top1_agreement(args.target, args.limit, args.offset, args.runner)
+    print(f"{result['model']}: {args.runner} vs float32 top-1 agreement {result['top1_agreement']:.4f} over "
           f"{result['positions']} positions of {result['tasks']} HumanEval solutions; "
-          f"mean KL(float32 || int8) {result['mean_kl_float32_to_int8']:.4f} nats")
+          f"mean KL(float32 || {args.runner}) {result['mean_kl_float32_to_quantized']:.4f} nats")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
