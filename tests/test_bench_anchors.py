@@ -20,58 +20,9 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models import LoadedModel
 from specdecode.runners.llamacpp import llamacpp_available
 
-from helpers import char_tokenizer, serve_in_thread, tiny_model
+from helpers import char_tokenizer, serve_in_thread, tiny_model, write_gguf
 
 PROMPTS = ["def f(x):", "hello", "abc abc ab", "x = [1, 2"]  # the third one's answer ends (token 2) at 10 tokens
-
-
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (how a "gpt2" GGUF vocabulary spells bytes)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(extra)}}
-
-
-def write_gguf(model, tok, path) -> None:
-    """A float32 qwen2 GGUF of a transformers Qwen2 model with tied embeddings and the char tokenizer."""
-    from gguf import GGUFWriter
-
-    c = model.config
-    writer = GGUFWriter(str(path), "qwen2")
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(float(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    spell = _byte_chars()
-    vocab = sorted(tok.get_vocab().items(), key=lambda item: item[1])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list([t if i <= 2 else "".join(spell[b] for b in t.encode()) for t, i in vocab])
-    writer.add_token_types([3 if i <= 2 else 1 for _, i in vocab])
-    writer.add_token_merges(["a b"])  # llama.cpp needs at least one
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    parts = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied: llama.cpp reuses token_embd
-        if name in ("model.embed_tokens.weight", "model.norm.weight"):
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{parts[module]}.{kind}"
-        writer.add_tensor(gguf_name, tensor.detach().float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.fixture(scope="module")

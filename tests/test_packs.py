@@ -62,3 +62,54 @@ def test_default_packs_are_declared_with_their_checksums():
     target, draft = packs.PACKS[packs.DEFAULT_TARGET], packs.PACKS[packs.DEFAULT_DRAFT]
     assert (target.parts, target.size) == (22, 1_117_320_768)
     assert (draft.parts, draft.size) == (6, 491_400_064)
+
+
+@pytest.mark.parametrize("q8_0", [False, True], ids=["f32", "q8_0"])
+def test_streamed_conversion_loads_as_transformers_own(tmp_path, monkeypatch, q8_0):
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from helpers import char_tokenizer, tiny_model, write_gguf
+
+    tok = char_tokenizer()
+    write_gguf(tiny_model("qwen2", seed=3, vocab_size=len(tok.get_vocab()), dtype=torch.float32), tok,
+               tmp_path / "m.gguf", q8_0=q8_0, merges=())
+    packs.convert_gguf(tmp_path / "m.gguf", tmp_path / "streamed", progress=False)
+    monkeypatch.setattr(packs, "STREAMED_ARCHITECTURES", ())
+    packs.convert_gguf(tmp_path / "m.gguf", tmp_path / "whole", progress=False)
+    streamed, whole = (AutoModelForCausalLM.from_pretrained(tmp_path / f, dtype=torch.float32).state_dict()
+                       for f in ("streamed", "whole"))
+    assert streamed.keys() == whole.keys() and all(torch.equal(streamed[k], whole[k]) for k in whole)
+    assert not torch.equal(whole["model.layers.0.mlp.up_proj.weight"], torch.zeros(64, 32))
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        a, b = (json.loads((tmp_path / f / name).read_text()) for f in ("streamed", "whole"))
+        skip = ("transformers_version", "quantization_config")  # the whole model's config also names the GGUF it came from
+        assert {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}, name
+
+
+def test_streamed_conversion_names_a_missing_tensor(tmp_path):
+    import torch
+    from gguf import GGUFReader, GGUFWriter
+
+    from helpers import char_tokenizer, tiny_model, write_gguf
+
+    tok = char_tokenizer()
+    write_gguf(tiny_model("qwen2", seed=3, vocab_size=len(tok.get_vocab()), dtype=torch.float32), tok, tmp_path / "m.gguf", merges=())
+    reader = GGUFReader(str(tmp_path / "m.gguf"))
+    writer = GGUFWriter(str(tmp_path / "cut.gguf"), "qwen2")
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            writer.add_key_value(field.name, field.contents(), field.types[0],
+                                 sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for tensor in reader.tensors:
+        if tensor.name != "blk.1.ffn_up.weight":
+            writer.add_tensor(tensor.name, tensor.data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(SpecDecodeError, match="model.layers.1.mlp.up_proj.weight"):
+        packs.convert_gguf(tmp_path / "cut.gguf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()

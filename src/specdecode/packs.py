@@ -4,8 +4,12 @@ Glossary:
 - *part*: one installed chunk package; its ``data/partNN.bin`` holds a slice of the file.
 - *assembled file*: the parts concatenated in order into one GGUF in the cache directory,
   checked against the pack's size and sha256.
-- *converted weights*: the GGUF dequantised once by transformers and saved as safetensors
-  with its config and tokenizer, so later loads take seconds.
+- *converted weights*: the GGUF dequantised once and saved as float32 safetensors with its
+  config and tokenizer (both read by transformers), so later loads take seconds.
+- *streamed conversion*: for an architecture whose GGUF tensors transformers loads unchanged
+  (``STREAMED_ARCHITECTURES``), each tensor is dequantised with gguf and written to the file on
+  its own, so the conversion holds one tensor at a time instead of the whole float32 model;
+  any other architecture is converted through a whole transformers model.
 
 The cache lives in ``$SPECDECODE_CACHE`` (default ``$XDG_CACHE_HOME/specdecode``).
 """
@@ -16,8 +20,10 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,10 +194,13 @@ def _declare_eos(pack: ModelPack, folder: Path) -> None:
         path.write_text(json.dumps(config, indent=2))
 
 
+# model types whose GGUF tensors transformers takes as they are (no permutation or split)
+STREAMED_ARCHITECTURES = ("qwen2",)
+
+
 def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
-    """Dequantise a GGUF through transformers and save it in a form from_pretrained reads fast."""
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Dequantise a GGUF into a folder from_pretrained reads fast (module glossary)."""
+    from transformers import AutoConfig, AutoTokenizer
 
     log.log(logging.INFO if progress else logging.DEBUG, "converting %s to safetensors (once; this takes a minute)...",
             gguf_path.name)
@@ -199,15 +208,74 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     folder, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32")
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model.config.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "specdecode.json").write_text(json.dumps({"source": str(gguf_path)}))
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        if config.model_type in STREAMED_ARCHITECTURES:
+            _convert_streamed(gguf_path, config, tmp)
+        else:
+            _convert_whole(folder, name, tmp)
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+        (tmp / "specdecode.json").write_text(json.dumps({"source": str(gguf_path)}))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
+
+
+def _convert_whole(folder: str, name: str, tmp: Path) -> None:
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32")
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _convert_streamed(gguf_path: Path, config, tmp: Path) -> None:
+    """The model's parameters (tied ones once) from the GGUF's tensors, one at a time."""
+    import gguf
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reader = gguf.GGUFReader(str(gguf_path))
+    arch = {value: key for key, value in gguf.MODEL_ARCH_NAMES.items()}[reader.fields["general.architecture"].contents()]
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    tensors = {t.name: t for t in reader.tensors}
+    params = []
+    for key, param in model.named_parameters():  # a tied parameter is named once
+        source = tensors.get(names.get_name(key, try_suffixes=(".weight", ".bias")) or "")
+        if source is None or int(source.n_elements) != param.numel():
+            raise SpecDecodeError(f"{gguf_path.name}: no tensor of {param.numel()} values for {key}")
+        params.append((key, tuple(param.shape), source))
+
+    def values(source, shape):
+        return np.ascontiguousarray(gguf.quants.dequantize(source.data, source.tensor_type), dtype=np.float32).reshape(shape)
+
+    _write_safetensors(tmp / "model.safetensors", [(key, shape, lambda s=source, shape=shape: values(s, shape))
+                                                    for key, shape, source in params])
+    model.config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(model.config).save_pretrained(tmp)
+
+
+def _write_safetensors(path: Path, tensors: list) -> None:
+    """A float32 safetensors file from (name, shape, () -> numpy array) entries, each array made
+    and written in turn."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for key, shape, _ in tensors:
+        size = 4 * math.prod(shape)
+        header[key] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(blob)) + blob)
+        for _, _, make in tensors:
+            file.write(make().data)
 
 
 def status_rows() -> list[dict]:
