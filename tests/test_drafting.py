@@ -251,7 +251,7 @@ def test_a_batch_where_drafting_does_not_pay_starts_no_drafter_until_it_shrinks(
 
     target, draft = pair
     plain = SpecEngine(HFRunner(target), None, SpecConfig())
-    spec = SpecEngine(HFRunner(target), ModelDrafter(CountingRunner(draft)), SpecConfig(gamma="auto"))
+    spec = SpecEngine(HFRunner(target), ModelDrafter(CountingRunner(draft)), SpecConfig(gamma="auto", lookup_fill=False))
     spec.policy = DraftsAlone(max_gamma=8)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, VOCAB, (1, n), generator=g)[0].tolist() for n in (9, 5)]
@@ -352,3 +352,40 @@ def test_a_pass_where_some_rows_draft_is_costed_at_its_mean_tokens_a_row():
     all_k, all_rate = policy.best(8, rows=8)
     assert all_rate == pytest.approx(max(8 / 0.2 / 8, expected_tokens(rates, all_k)
                                          / (policy.costs.draft_seconds(all_k, 8) + policy.costs.pass_seconds(1 + all_k, 8))))
+
+
+def test_lookup_fill_drafts_lookups_on_plain_steps_and_keeps_greedy_output(pair):
+    """Under the adaptive policy a step it makes plain drafts the context's prompt lookup; the
+    draft model is never called for it and the output is plain decoding's."""
+    target, draft = pair
+    g = torch.Generator().manual_seed(3)
+    motif = torch.randint(0, VOCAB, (6,), generator=g).tolist()
+    prompt = torch.tensor([motif * 4])  # a repeating prompt: lookups find continuations
+    params = SamplingParams(max_new_tokens=48)
+    plain = [t for s in decode(SpecEngine(HFRunner(target), None, SpecConfig()), prompt, params) for t in s.tokens]
+    outputs, drafted, proposals = {}, {}, []
+    for fill in (True, False):
+        engine = SpecEngine(HFRunner(target), ModelDrafter(HFRunner(draft)), SpecConfig(gamma="auto", lookup_fill=fill))
+        engine.policy.choose = lambda remaining, rows=1: 0  # the model's drafts never pay
+        engine.drafter.propose = lambda *a, **k: proposals.append(a)
+        stats = GenerationStats()
+        outputs[fill] = [t for s in decode(engine, prompt, params, stats=stats) for t in s.tokens]
+        drafted[fill] = stats.drafted_tokens
+    assert outputs[True] == outputs[False] == plain
+    assert drafted[True] > 0 and drafted[False] == 0 and proposals == []
+    assert SpecEngine(HFRunner(target), None, SpecConfig(gamma="auto")).lookup is None  # plain decoding stays plain
+    assert SpecEngine(HFRunner(target), ModelDrafter(HFRunner(draft)), SpecConfig(gamma=3)).lookup is None  # a fixed gamma
+
+
+def test_lookup_length_is_the_best_for_free_drafts_and_probes_when_none_pays():
+    policy = AdaptiveGamma(max_gamma=8)
+    assert policy.lookup_length([100]) == 0  # no pass measured yet
+    for _ in range(30):
+        policy.observe([0], [0], 0.0, 0.050)  # plain pass
+        policy.observe_lookup([4], [4], 0.060)  # four lookups, all kept, in a pass of five tokens
+    assert policy.lookup_length([100]) >= 4 and policy.acceptance.rates()[0] == pytest.approx(0.6)  # the model's estimates untouched
+    assert policy.lookup_length([2]) == 1  # the budget bounds it
+    for _ in range(60):
+        policy.observe_lookup([4], [0], 0.060)  # now none is kept: a wider pass buys nothing
+    lengths = [policy.lookup_length([100]) for _ in range(2 * policy.probe_every)]
+    assert lengths == ([0] * (policy.probe_every - 1) + [1]) * 2  # plain, with a one-token probe now and then

@@ -41,6 +41,7 @@ class SpeculativeGenerator:
         draft_confidence: float | None = None,
         runners: tuple | None = None,
         head: str | None = None,
+        lookup_fill: bool = True,
     ):
         """runners: (target runner, draft runner) to share with another generator (see ``variant``).
         drafter: "model" (the draft model; the default when one is given), "ngram", "hybrid"
@@ -48,10 +49,12 @@ class SpeculativeGenerator:
         head file at ``head``, made by ``specdecode train-head`` for this target) or None (plain).
         gamma: tokens drafted per step, or "auto" for the adaptive policy.
         draft_confidence: stop a draft after a token the draft model gave less than this
-        probability; None: 0.7 with gamma "auto", off with a fixed gamma (config.SpecConfig)."""
+        probability; None: 0.7 with gamma "auto", off with a fixed gamma (config.SpecConfig).
+        lookup_fill: with gamma "auto" and the draft model, steps the policy makes plain draft a
+        prompt lookup where there is one (the engine's lookup fill)."""
         self.target = target
         self.draft = draft
-        self.spec_config = SpecConfig(gamma=gamma, draft_confidence=draft_confidence)
+        self.spec_config = SpecConfig(gamma=gamma, draft_confidence=draft_confidence, lookup_fill=lookup_fill)
         self.tokenizer = target.tokenizer
         self.eos_ids = models.eos_token_ids(target)
         if target.runner == "llamacpp":
@@ -121,13 +124,15 @@ class SpeculativeGenerator:
                                        draft_quant, draft_prefill)
         return cls(loaded_target, loaded_draft, gamma=gamma, drafter=kind, draft_confidence=draft_confidence, head=head)
 
-    def variant(self, drafter: str | None, gamma: int | str | None = None, draft_confidence: float | None = None):
+    def variant(self, drafter: str | None, gamma: int | str | None = None, draft_confidence: float | None = None,
+                lookup_fill: bool | None = None):
         """Another generator over the same loaded models and runners (one request at a time across both)."""
         return SpeculativeGenerator(
             self.target, self.draft if drafter in ("model", "hybrid") else None,
             gamma=self.spec_config.gamma if gamma is None else gamma, drafter=drafter,
             draft_confidence=self.spec_config.draft_confidence if draft_confidence is None else draft_confidence,
             runners=(self.target_runner, self._draft_runner), head=self.head if drafter == "head" else None,
+            lookup_fill=self.spec_config.lookup_fill if lookup_fill is None else lookup_fill,
         )
 
     def _engine(self, config: SpecConfig) -> SpecEngine:
@@ -138,7 +143,8 @@ class SpeculativeGenerator:
         one's estimates carry over."""
         if gamma is None:
             return self.engine
-        config = SpecConfig(gamma=gamma, draft_confidence=self.spec_config.draft_confidence)
+        config = SpecConfig(gamma=gamma, draft_confidence=self.spec_config.draft_confidence,
+                            lookup_fill=self.spec_config.lookup_fill)
         if config == self.spec_config:
             return self.engine
         if config not in self._engines:

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(bench)
     _add_suite_args(bench, limit=10)
     bench.add_argument("--methods", default=None,
-                       help="comma-separated methods: ar, draft, draft-hf, draft-auto, ngram, hybrid, hf, hf-assisted, hf-lookup, "
+                       help="comma-separated methods: ar, draft, draft-hf, draft-auto, draft-auto-nofill, ngram, hybrid, hf, hf-assisted, hf-lookup, "
                        "llamacpp (llama-cpp-python over the target's GGUF), llamacpp-server, llamacpp-server-spec, endpoint "
                        "(default: ar,draft,draft-hf,ngram,hf,hf-assisted,hf-lookup and those --llama-server / --endpoint add)")
     bench.add_argument("--llama-server", default=None, metavar="PATH",

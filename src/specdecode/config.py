@@ -118,11 +118,14 @@ class SpecConfig:
     draft_confidence: a draft model stops drafting after a token it gave less than this
     probability; None: ADAPTIVE_DRAFT_CONFIDENCE with the adaptive policy, off with a fixed gamma
     (``stop_confidence`` is the value in force).
+    lookup_fill: with the adaptive policy and a draft model, steps the policy makes plain draft
+    a prompt lookup where the context has one (``engine``'s glossary).
     """
 
     gamma: int | str = 5
     max_gamma: int = 8
     draft_confidence: float | None = None
+    lookup_fill: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.gamma, str):

@@ -25,6 +25,11 @@ Glossary:
   first token then waits for target prefills and one-row passes, not for the batch's steps or
   other requests' draft prefills. A fixed policy ignores all of this, so its rows draft, and
   its seeded rows sample, the same way in any batch.
+- *lookup fill*: under the adaptive policy with a draft model, a step the policy makes plain
+  (no model draft pays, or none has started) drafts each row's prompt lookup instead where its
+  context has one (``drafters.ngram``; no draft model call), of the length the policy finds best
+  for drafts that cost nothing (``policy.adaptive``). Lookup proposals are deterministic, so
+  verification stays exact; the model's estimates learn nothing from them.
 
 With no drafter every step drafts nothing and the same loop is plain autoregressive decoding,
 so a speedup always compares like with like.
@@ -42,6 +47,8 @@ import torch
 from .config import SamplingParams, SpecConfig
 from .drafters import Draft, Drafter
 from .drafters.base import feature_layers, spread
+from .drafters.model import ModelDrafter
+from .drafters.ngram import NgramDrafter
 from .errors import SpecDecodeError
 from .policy import AdaptiveGamma, FixedGamma
 from .runners import Runner, cache_all_but_last
@@ -108,6 +115,9 @@ class SpecEngine:
         self.verifier = verifier
         self._sync = sync or (lambda: None)
         self.policy = AdaptiveGamma(max_gamma=config.max_gamma) if config.adaptive else FixedGamma(int(config.gamma))
+        # glossary: lookup fill
+        fills = config.adaptive and config.lookup_fill and isinstance(drafter, ModelDrafter)
+        self.lookup = NgramDrafter(target.vocab_size) if fills else None
         self.last_draft_length = 0  # the draft length the policy chose for the last step
 
     def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
@@ -170,13 +180,17 @@ class SpecEngine:
                 self._start_drafter(due[0])
         drafting = [r for r in rows if r.drafting]
         k = self.policy.choose([r.remaining for r in drafting], rows=len(rows)) if drafting else 0
+        proposer, looks_up = self.drafter, False
+        if k == 0 and self.lookup is not None:  # glossary: lookup fill
+            k = self.policy.lookup_length([r.remaining for r in rows], rows=len(rows))
+            proposer, looks_up = self.lookup, k > 0
         self.last_draft_length = k
-        limits = [min(k, r.remaining - 1) if r.drafting else 0 for r in rows]
-        held = [j for j, limit in enumerate(limits) if limit > 0]  # the rows that draft this step
+        limits = [min(k, r.remaining - 1) if r.drafting or looks_up else 0 for r in rows]
+        held = [] if looks_up else [j for j, limit in enumerate(limits) if limit > 0]  # the rows the drafter drafts
         t0 = time.perf_counter()
         # 2. propose, one call per group of rows sampled alike
         groups = _sampling_groups(rows)
-        drafts = [self._propose([rows[j] for j in group], [limits[j] for j in group]) for group in groups]
+        drafts = [self._propose(proposer, [rows[j] for j in group], [limits[j] for j in group]) for group in groups]
         draft = _joined(drafts, groups, len(rows))
         t1 = time.perf_counter()
         # 3. verify: one target pass over each row's [pending, drafts...]
@@ -185,7 +199,10 @@ class SpecEngine:
         # 4. commit / rollback both caches to each row's pending + accepted tokens
         self._commit(rows, held, result, states)
         accepted = [int(n) for n in result.num_accepted]
-        self.policy.observe(draft.lengths, accepted, t1 - t0, t2 - t1)
+        if looks_up:
+            self.policy.observe_lookup(draft.lengths, accepted, t2 - t1)
+        else:
+            self.policy.observe(draft.lengths, accepted, t1 - t0, t2 - t1)
         # 5. stop check and emit, row by row
         share = 1.0 / len(rows)
         for j, row in enumerate(rows):
@@ -215,6 +232,8 @@ class SpecEngine:
         if self.feature_layers is not None:
             self.drafter.take_features([slot], [0], states)
         row = _Row(slot, index, request, ids, t0, params, eos)
+        if self.lookup is not None:
+            self.lookup.start([slot], [ids])
         if self.drafter is not None:
             row.start_after = self.policy.start_after(len(ids), request.max_new_tokens)
             if defer_draft and self.policy.follows_load:
@@ -236,12 +255,12 @@ class SpecEngine:
         if row.request.stats.new_tokens:  # a deferred start: the request's prefill is already counted
             row.request.stats.prefill_seconds += seconds
 
-    def _propose(self, rows: list[_Row], limits: list[int]) -> Draft:
+    def _propose(self, proposer: Drafter, rows: list[_Row], limits: list[int]) -> Draft:
         """The draft of rows sampled alike (the ones with a limit of 0 propose nothing)."""
         held = [j for j, limit in enumerate(limits) if limit > 0]
         if not held:
             return Draft.empty(len(rows))
-        draft = self.drafter.propose([rows[j].slot for j in held], [rows[j].context for j in held],
+        draft = proposer.propose([rows[j].slot for j in held], [rows[j].context for j in held],
                                      [limits[j] for j in held], rows[held[0]].params,
                                      [rows[j].request.generator for j in held], min_confidence=self.config.stop_confidence)
         self._sync()
@@ -302,6 +321,8 @@ class Batch:
         engine.target.reset(slots)
         if engine.drafter is not None:
             engine.drafter.reset(slots)
+        if engine.lookup is not None:
+            engine.lookup.reset(slots)
 
     @property
     def draft_length(self) -> int:

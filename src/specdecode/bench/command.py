@@ -41,13 +41,14 @@ def _load(args):
     ngram = spec.variant("ngram")
     hybrid = spec.variant("hybrid") if spec.draft is not None else None
     auto = spec.variant("model", gamma="auto") if spec.draft is not None else None
+    auto_nofill = spec.variant("model", gamma="auto", lookup_fill=False) if spec.draft is not None else None
     hf_draft = None
     if spec.draft is not None and spec.draft.model is None and not getattr(args, "batch_sizes", None):  # a llama.cpp draft: load its transformers twin
         twin = models.load(args.draft, models.parse_device(args.device), models.parse_dtype(args.dtype),
                            runner=spec.target.runner, role="draft")
         hf_draft = SpeculativeGenerator(spec.target, twin, gamma=args.gamma, runners=(spec.target_runner, None))
     sync = torch.cuda.synchronize if spec.target_runner.device.type == "cuda" else (lambda: None)
-    return BenchContext(spec, plain, ngram, hf_draft, hybrid, auto, sync)
+    return BenchContext(spec, plain, ngram, hf_draft, hybrid, auto, sync, auto_nofill=auto_nofill)
 
 
 def default_methods(args) -> str:

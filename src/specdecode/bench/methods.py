@@ -7,7 +7,8 @@ Glossary:
 - ``ngram``: our engine with n-gram prompt lookup (no draft model);
 - ``hybrid``: lookup when it finds a continuation, else the draft model;
 - ``draft-auto``: the draft model with the adaptive draft length (``--gamma auto``, which brings
-  the 0.7 confidence stop unless ``--draft-confidence`` is given);
+  the 0.7 confidence stop unless ``--draft-confidence`` is given, and the engine's lookup fill);
+  ``draft-auto-nofill``: the same without the lookup fill;
 - ``hf``, ``hf-assisted``, ``hf-lookup``: transformers ``generate`` plain, with the draft as
   ``assistant_model``, and with ``prompt_lookup_num_tokens`` (Hugging Face's defaults otherwise);
 - ``llamacpp``, ``llamacpp-server``, ``llamacpp-server-spec``, ``endpoint``: runs outside our
@@ -39,6 +40,7 @@ class BenchContext:
     auto: SpeculativeGenerator | None = None  # the draft model with adaptive gamma
     sync: Callable[[], None] = lambda: None
     anchors: object | None = None  # bench.anchors.Anchors when an anchor method runs
+    auto_nofill: SpeculativeGenerator | None = None  # the draft model with adaptive gamma, no lookup fill
 
     @property
     def hf_draft_model(self):
@@ -91,6 +93,7 @@ _register_ours("draft", lambda ctx: ctx.spec)
 _register_ours("draft-hf", lambda ctx: ctx.hf_draft or ctx.spec)
 _register_ours("hybrid", lambda ctx: ctx.hybrid)
 _register_ours("draft-auto", lambda ctx: ctx.auto)
+_register_ours("draft-auto-nofill", lambda ctx: ctx.auto_nofill)
 _register_ours("ngram", lambda ctx: ctx.ngram)
 
 
@@ -149,4 +152,4 @@ def run_hf_lookup(ctx: BenchContext, prompt_ids: list[int], params: SamplingPara
     return _hf(ctx, prompt_ids, params, prompt_lookup_num_tokens=HF_LOOKUP_TOKENS)
 
 
-NEEDS_DRAFT = {"draft", "draft-hf", "draft-auto", "hybrid", "hf-assisted", "llamacpp-server-spec"}
+NEEDS_DRAFT = {"draft", "draft-hf", "draft-auto", "draft-auto-nofill", "hybrid", "hf-assisted", "llamacpp-server-spec"}

@@ -34,6 +34,11 @@ Glossary:
   batch it runs in; the rate formula is ``costmodel``'s. In a batch where only some rows draft
   (the others have not started their drafters), the pass is read at its mean tokens a row and
   the others count as passengers: a step is worth its tokens over all rows.
+- *lookup drafts*: the engine's lookup fill drafts prompt lookups on steps this policy makes
+  plain. They cost no draft time, so their length is the best one for free drafts under
+  their own per-position acceptance (``lookup_acceptance``, prior ``LOOKUP_PRIOR``) and the
+  measured pass costs, with a one-token lookup every ``probe_every`` steps that would have
+  none; their passes feed the pass costs, nothing else.
 - *confidence stop*: within the chosen length a draft model stops after a token it gave less
   than ``config.SpecConfig.stop_confidence`` (0.7 by default with this policy); the estimates
   above then measure the positions such drafts reach.
@@ -65,6 +70,7 @@ from .estimates import AcceptanceEstimates, CostEstimates
 LONGEST_PROBE_GAP = 256
 RECENT_ANSWERS = 8  # answer lengths the deferred start looks back on
 LONGEST_RETEST_GAP = 8  # requests
+LOOKUP_PRIOR = 0.3  # acceptance of an untested lookup position (prompt lookups keep about 0.2-0.5 here)
 
 
 def _cap(max_gamma: int, remaining: int | Sequence[int]) -> int:
@@ -112,6 +118,7 @@ class AdaptiveGamma:
     longest_deferral: int = 64  # plain tokens a deferred start waits at most
     prior_acceptance: float = 0.6
     acceptance: AcceptanceEstimates = field(init=False)
+    lookup_acceptance: AcceptanceEstimates = field(init=False)  # of the engine's lookup drafts
     costs: CostEstimates = field(init=False)
     plain_steps: int = 0  # plain steps since the last probe
     probe_gap: int = 0  # plain steps between probes now (0: probe_every)
@@ -119,12 +126,14 @@ class AdaptiveGamma:
     probe_now: bool = False  # a drafter has just started: probe it on the next step
     retest_gap: int = 1  # requests from one re-test to the next
     requests_since_retest: int = 0
+    plain_lookup_steps: int = 0  # plain steps without a lookup draft since the last one
     unearned_starts: int = 0  # requests since the last start re-test that could not earn a start back
     answer_lengths: deque = field(default_factory=lambda: deque(maxlen=RECENT_ANSWERS))  # new tokens of recent requests
     plain_batch_steps: dict = field(default_factory=dict)  # rows -> steps since drafters last started at that size
 
     def __post_init__(self) -> None:
         self.acceptance = AcceptanceEstimates(self.max_gamma, self.decay, self.prior_acceptance)
+        self.lookup_acceptance = AcceptanceEstimates(self.max_gamma, self.decay, LOOKUP_PRIOR)
         self.costs = CostEstimates(self.decay)
 
     def best(self, cap: int, rows: int = 1, drafting: int | None = None) -> tuple[int, float]:
@@ -176,6 +185,26 @@ class AdaptiveGamma:
             self.costs.observe_draft(sum(n > 0 for n in drafted), longest, draft_seconds)
         for n, kept in zip(drafted, accepted):
             self.acceptance.observe(n, kept)
+
+    def lookup_length(self, remaining: Sequence[int], rows: int = 1) -> int:
+        """The length of the lookup drafts of a step this policy made plain, for a pass of
+        ``rows`` rows with these budgets left (glossary: lookup drafts); 0: none."""
+        cap = _cap(self.max_gamma, remaining)
+        if cap == 0 or not self.costs.knows_pass(rows):
+            return 0
+        costs = self.costs
+        k = best_length(self.lookup_acceptance.rates(), lambda k: 0.0, lambda m: costs.pass_seconds(m, rows), cap)[0]
+        self.plain_lookup_steps = 0 if k else self.plain_lookup_steps + 1
+        if self.plain_lookup_steps >= self.probe_every:  # a one-token lookup now and then keeps the estimate fresh
+            self.plain_lookup_steps = 0
+            return 1
+        return k
+
+    def observe_lookup(self, drafted: Sequence[int], accepted: Sequence[int], verify_seconds: float) -> None:
+        """A step of lookup drafts: each row's drafted and accepted tokens, the pass's seconds."""
+        self.costs.observe_pass(len(drafted), 1 + sum(drafted) / len(drafted), verify_seconds)
+        for n, kept in zip(drafted, accepted):
+            self.lookup_acceptance.observe(n, kept)
 
     def drafts_at(self, rows: int) -> bool:
         """Whether steps of this many rows draft: False once the costs measured at that batch size
