@@ -373,6 +373,21 @@ def test_lookup_fill_drafts_lookups_on_plain_steps_and_keeps_greedy_output(pair)
         drafted[fill] = stats.drafted_tokens
     assert outputs[True] == outputs[False] == plain
     assert drafted[True] > 0 and drafted[False] == 0 and proposals == []
+    # drafting with the model on every step: rows whose lookup is long enough draft it instead
+    sampled = SamplingParams(max_new_tokens=48, temperature=0.8)
+    seen = {}
+    for fill in (True, False):
+        engine = SpecEngine(HFRunner(target), ModelDrafter(HFRunner(draft)), SpecConfig(gamma="auto", lookup_fill=fill))
+        first = iter([0])  # a plain step measures the pass, then the model drafts 3 every step
+        engine.policy.choose = lambda remaining, rows=1, first=first: next(first, 3)
+        engine.policy.start_after = lambda context_tokens, budget: 0
+        stats = GenerationStats()
+        greedy = [t for s in decode(engine, prompt, params, stats=stats) for t in s.tokens]
+        assert greedy == plain
+        lookups = engine.policy.lookup_acceptance.drafted[0]
+        seen[fill] = (lookups, stats.drafted_tokens)
+        assert len([t for s in decode(engine, prompt, sampled) for t in s.tokens]) == 48  # mixed sampled steps run
+    assert seen[True][0] > 0 and seen[False][0] == 0 and seen[True][1] > 0
     assert SpecEngine(HFRunner(target), None, SpecConfig(gamma="auto")).lookup is None  # plain decoding stays plain
     assert SpecEngine(HFRunner(target), ModelDrafter(HFRunner(draft)), SpecConfig(gamma=3)).lookup is None  # a fixed gamma
 
@@ -382,10 +397,10 @@ def test_lookup_length_is_the_best_for_free_drafts_and_probes_when_none_pays():
     assert policy.lookup_length([100]) == 0  # no pass measured yet
     for _ in range(30):
         policy.observe([0], [0], 0.0, 0.050)  # plain pass
-        policy.observe_lookup([4], [4], 0.060)  # four lookups, all kept, in a pass of five tokens
+        policy.observe([4], [4], 0.0, 0.060, lookups={0})  # four lookups, all kept, in a pass of five tokens
     assert policy.lookup_length([100]) >= 4 and policy.acceptance.rates()[0] == pytest.approx(0.6)  # the model's estimates untouched
     assert policy.lookup_length([2]) == 1  # the budget bounds it
     for _ in range(60):
-        policy.observe_lookup([4], [0], 0.060)  # now none is kept: a wider pass buys nothing
+        policy.observe([4], [0], 0.0, 0.060, lookups={0})  # now none is kept: a wider pass buys nothing
     lengths = [policy.lookup_length([100]) for _ in range(2 * policy.probe_every)]
     assert lengths == ([0] * (policy.probe_every - 1) + [1]) * 2  # plain, with a one-token probe now and then

@@ -187,7 +187,7 @@ class DeferredStart(FixedGamma):
         return 1
 
 
-@pytest.mark.parametrize("variant", ["hybrid", "adaptive", "lookup-fill", "deferred-start", "confidence", "trimmed-vocabulary"])
+@pytest.mark.parametrize("variant", ["hybrid", "adaptive", "lookup-fill", "lookup-first", "deferred-start", "confidence", "trimmed-vocabulary"])
 def test_other_drafting_modes_sample_the_target_joint(variant):
     from specdecode.drafters.hybrid import HybridDrafter
     from specdecode.drafters.ngram import NgramDrafter
@@ -196,7 +196,7 @@ def test_other_drafting_modes_sample_the_target_joint(variant):
     target, draft = make_pair()
     if variant == "hybrid":
         drafter, config = HybridDrafter(ModelDrafter(draft), NgramDrafter(VOCAB, max_n=2), min_lookup=2), SpecConfig(gamma=GAMMA)
-    elif variant in ("adaptive", "lookup-fill"):
+    elif variant in ("adaptive", "lookup-fill", "lookup-first"):
         drafter, config = ModelDrafter(draft), SpecConfig(gamma="auto", max_gamma=GAMMA)
     elif variant == "deferred-start":
         drafter, config = ModelDrafter(draft), SpecConfig(gamma=GAMMA)
@@ -206,16 +206,20 @@ def test_other_drafting_modes_sample_the_target_joint(variant):
         drafter, config = ModelDrafter(draft), SpecConfig(gamma=GAMMA, draft_confidence=0.4)
     engine = SpecEngine(target, drafter, config)
     looked_up = []
-    if variant in ("adaptive", "lookup-fill"):  # the drafter starts with the request (tiny models: no deferral to measure)
+    if variant in ("adaptive", "lookup-fill", "lookup-first"):  # the drafter starts with the request (tiny models: no deferral to measure)
         engine.policy.start_after = lambda context_tokens, budget: 0
-    if variant == "lookup-fill":  # the model's drafts never pay: every step after the first drafts a lookup
-        engine.policy.choose = lambda remaining, rows=1: 0
+    if variant.startswith("lookup"):  # lookup-fill: the model's drafts never pay, every step drafts a lookup;
+        # lookup-first: the model drafts every step, except where a lookup is long enough
+        engine.policy.choose = lambda remaining, rows=1: 0 if variant == "lookup-fill" else min(GAMMA, max(remaining) - 1)
         engine.policy.lookup_length = lambda remaining, rows=1: GAMMA  # (timings of the table runner are noise)
-        propose = engine.lookup.propose
-        engine.lookup.propose = lambda *a, **k: looked_up.append(propose(*a, **k)) or looked_up[-1]
+        look_up, model_propose = engine._look_up, engine.drafter.propose
+        engine._look_up = lambda *a: looked_up.append(look_up(*a)) or looked_up[-1]
+        engine.drafter.propose = lambda *a, **k: looked_up.append("model") or model_propose(*a, **k)
     elif variant == "deferred-start":  # the drafter starts after the first plain token, then drafts every step
         engine.policy = DeferredStart(GAMMA)
     tv, threshold, p_value, outside = compare(exact_joint(target, params), sample_engine(engine, params, SAMPLES), SAMPLES)
     assert outside == 0 and tv < threshold and p_value > P_VALUE_FLOOR, (variant, tv, threshold, p_value)
-    if variant == "lookup-fill":
-        assert sum(sum(d.lengths) for d in looked_up) > SAMPLES  # the lookups drafted
+    if variant.startswith("lookup"):
+        chosen = sum(len(x[1]) for x in looked_up if x is not None and x != "model")
+        models = looked_up.count("model")
+        assert chosen > SAMPLES // 4 and (models == 0 if variant == "lookup-fill" else models > SAMPLES // 20), (chosen, models)

@@ -25,11 +25,13 @@ Glossary:
   first token then waits for target prefills and one-row passes, not for the batch's steps or
   other requests' draft prefills. A fixed policy ignores all of this, so its rows draft, and
   its seeded rows sample, the same way in any batch.
-- *lookup fill*: under the adaptive policy with a draft model, a step the policy makes plain
-  (no model draft pays, or none has started) drafts each row's prompt lookup instead where its
-  context has one (``drafters.ngram``; no draft model call), of the length the policy finds best
-  for drafts that cost nothing (``policy.adaptive``). Lookup proposals are deterministic, so
-  verification stays exact; the model's estimates learn nothing from them.
+- *lookup fill*: under the adaptive policy with a draft model, the engine also looks each row's
+  context up (``drafters.ngram``) up to the length the policy finds best for drafts that cost
+  nothing (``policy.adaptive``). A row drafts its lookup instead of the model where the lookup
+  found at least ``LOOKUP_FIRST`` tokens (or as many as the length allows), and on a step the
+  policy makes plain (no model draft pays, or none has started) wherever it found any; the other
+  rows draft with the model as the policy chose. Lookup proposals are deterministic, so
+  verification stays exact; the model's estimates learn only from the model's rows.
 
 With no drafter every step drafts nothing and the same loop is plain autoregressive decoding,
 so a speedup always compares like with like.
@@ -54,6 +56,8 @@ from .policy import AdaptiveGamma, FixedGamma
 from .runners import Runner, cache_all_but_last
 from .stats import BatchStats, GenerationStats
 from .verify import VerifyResult, verify
+
+LOOKUP_FIRST = 3  # a lookup of this many tokens drafts instead of the model (glossary: lookup fill)
 
 Verifier = Callable[..., VerifyResult]
 
@@ -180,17 +184,18 @@ class SpecEngine:
                 self._start_drafter(due[0])
         drafting = [r for r in rows if r.drafting]
         k = self.policy.choose([r.remaining for r in drafting], rows=len(rows)) if drafting else 0
-        proposer, looks_up = self.drafter, False
-        if k == 0 and self.lookup is not None:  # glossary: lookup fill
-            k = self.policy.lookup_length([r.remaining for r in rows], rows=len(rows))
-            proposer, looks_up = self.lookup, k > 0
         self.last_draft_length = k
-        limits = [min(k, r.remaining - 1) if r.drafting or looks_up else 0 for r in rows]
-        held = [] if looks_up else [j for j, limit in enumerate(limits) if limit > 0]  # the rows the drafter drafts
+        limits = [min(k, r.remaining - 1) if r.drafting else 0 for r in rows]
         t0 = time.perf_counter()
+        looked_up = self._look_up(rows, limits, k) if self.lookup is not None else None  # glossary: lookup fill
+        if looked_up is not None:
+            limits = [0 if j in looked_up[1] else limit for j, limit in enumerate(limits)]
+        held = [j for j, limit in enumerate(limits) if limit > 0]  # the rows the drafter drafts
         # 2. propose, one call per group of rows sampled alike
         groups = _sampling_groups(rows)
-        drafts = [self._propose(proposer, [rows[j] for j in group], [limits[j] for j in group]) for group in groups]
+        drafts = [self._propose(self.drafter, [rows[j] for j in group], [limits[j] for j in group]) for group in groups]
+        if looked_up is not None and looked_up[1]:
+            drafts = [_with_lookups(d, group, *looked_up, self.target.vocab_size) for d, group in zip(drafts, groups)]
         draft = _joined(drafts, groups, len(rows))
         t1 = time.perf_counter()
         # 3. verify: one target pass over each row's [pending, drafts...]
@@ -199,10 +204,8 @@ class SpecEngine:
         # 4. commit / rollback both caches to each row's pending + accepted tokens
         self._commit(rows, held, result, states)
         accepted = [int(n) for n in result.num_accepted]
-        if looks_up:
-            self.policy.observe_lookup(draft.lengths, accepted, t2 - t1)
-        else:
-            self.policy.observe(draft.lengths, accepted, t1 - t0, t2 - t1)
+        self.policy.observe(draft.lengths, accepted, t1 - t0, t2 - t1,
+                            lookups=looked_up[1] if looked_up is not None else ())
         # 5. stop check and emit, row by row
         share = 1.0 / len(rows)
         for j, row in enumerate(rows):
@@ -254,6 +257,19 @@ class SpecEngine:
         self.policy.started(len(row.context), seconds)
         if row.request.stats.new_tokens:  # a deferred start: the request's prefill is already counted
             row.request.stats.prefill_seconds += seconds
+
+    def _look_up(self, rows: list[_Row], limits: list[int], k: int) -> tuple[Draft, set[int]] | None:
+        """(every row's lookup, the rows that draft it) for a step whose model draft length is
+        k (glossary: lookup fill); None when no lookup is worth its pass."""
+        length = self.policy.lookup_length([r.remaining for r in rows], rows=len(rows))
+        if length == 0:
+            return None
+        caps = [min(length, r.remaining - 1) for r in rows]
+        found = self.lookup.propose([r.slot for r in rows], [r.context for r in rows], caps, rows[0].params,
+                                    [r.request.generator for r in rows])
+        chosen = {j for j, n in enumerate(found.lengths)
+                  if n > 0 and (limits[j] == 0 or n >= min(caps[j], LOOKUP_FIRST))}
+        return found, chosen
 
     def _propose(self, proposer: Drafter, rows: list[_Row], limits: list[int]) -> Draft:
         """The draft of rows sampled alike (the ones with a limit of 0 propose nothing)."""
@@ -397,6 +413,31 @@ def _sampling_groups(rows: list[_Row]) -> list[list[int]]:
     for j, row in enumerate(rows):
         groups.setdefault((row.params.temperature, row.params.top_k, row.params.top_p), []).append(j)
     return list(groups.values())
+
+
+def _with_lookups(draft: Draft, group: list[int], found: Draft, chosen: set[int], vocab: int) -> Draft:
+    """A group's model draft (over ``group``'s rows, in order) with the chosen rows' lookups in
+    place; lookup rows are one-hot where the model's rows carry probabilities."""
+    mine = [i for i, j in enumerate(group) if j in chosen]
+    if not mine:
+        return draft
+    lengths = [found.lengths[j] if j in chosen else draft.lengths[i] for i, j in enumerate(group)]
+    tokens = torch.zeros((len(group), max(lengths, default=0)), dtype=torch.long)
+    width = min(draft.tokens.shape[1], tokens.shape[1])
+    tokens[:, :width] = draft.tokens[:, :width].cpu()
+    probs = None
+    if draft.probs is not None:
+        probs = draft.probs.new_zeros((len(group), tokens.shape[1], vocab))
+        probs[:, :width] = draft.probs[:, :width]
+    for i in mine:
+        j = group[i]
+        row = found.tokens[j, : found.lengths[j]]
+        tokens[i] = 0
+        tokens[i, : len(row)] = row
+        if probs is not None:
+            probs[i] = 0
+            probs[i, torch.arange(len(row)), row] = 1
+    return Draft(tokens, probs, lengths)
 
 
 def _joined(drafts: list[Draft], groups: list[list[int]], n: int) -> Draft:

@@ -34,11 +34,11 @@ Glossary:
   batch it runs in; the rate formula is ``costmodel``'s. In a batch where only some rows draft
   (the others have not started their drafters), the pass is read at its mean tokens a row and
   the others count as passengers: a step is worth its tokens over all rows.
-- *lookup drafts*: the engine's lookup fill drafts prompt lookups on steps this policy makes
-  plain. They cost no draft time, so their length is the best one for free drafts under
+- *lookup drafts*: the engine's lookup fill drafts prompt lookups where they are long enough,
+  and on steps this policy makes plain. They cost no draft time, so their length is the best one for free drafts under
   their own per-position acceptance (``lookup_acceptance``, prior ``LOOKUP_PRIOR``) and the
   measured pass costs, with a one-token lookup every ``probe_every`` steps that would have
-  none; their passes feed the pass costs, nothing else.
+  none; their rows feed the pass costs and ``lookup_acceptance``, not the model's estimates.
 - *confidence stop*: within the chosen length a draft model stops after a token it gave less
   than ``config.SpecConfig.stop_confidence`` (0.7 by default with this policy); the estimates
   above then measure the positions such drafts reach.
@@ -59,7 +59,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Collection, Sequence
 
 from ..costmodel import best_length
 from .estimates import AcceptanceEstimates, CostEstimates
@@ -91,7 +91,8 @@ class FixedGamma:
     def choose(self, remaining: int | Sequence[int], rows: int = 1) -> int:
         return _cap(self.gamma, remaining)
 
-    def observe(self, drafted: Sequence[int], accepted: Sequence[int], draft_seconds: float, verify_seconds: float) -> None:
+    def observe(self, drafted: Sequence[int], accepted: Sequence[int], draft_seconds: float, verify_seconds: float,
+                lookups: Collection[int] = ()) -> None:
         pass
 
     def start_after(self, context_tokens: int, budget: int) -> int:
@@ -176,15 +177,18 @@ class AdaptiveGamma:
             return 1
         return 0
 
-    def observe(self, drafted: Sequence[int], accepted: Sequence[int], draft_seconds: float, verify_seconds: float) -> None:
+    def observe(self, drafted: Sequence[int], accepted: Sequence[int], draft_seconds: float, verify_seconds: float,
+                lookups: Collection[int] = ()) -> None:
         """One engine step: each row's drafted and accepted tokens, and the step's draft and
-        verification seconds (all rows together)."""
-        rows, longest = len(drafted), max(drafted, default=0)
+        verification seconds (all rows together); lookups: the rows whose drafts were lookups
+        (glossary: lookup drafts), which feed the pass cost and the lookup acceptance only."""
+        rows = len(drafted)
         self.costs.observe_pass(rows, 1 + sum(drafted) / rows, verify_seconds)
-        if longest:
-            self.costs.observe_draft(sum(n > 0 for n in drafted), longest, draft_seconds)
-        for n, kept in zip(drafted, accepted):
-            self.acceptance.observe(n, kept)
+        model = [n for j, n in enumerate(drafted) if j not in lookups]
+        if max(model, default=0):
+            self.costs.observe_draft(sum(n > 0 for n in model), max(model), draft_seconds)
+        for j, (n, kept) in enumerate(zip(drafted, accepted)):
+            (self.lookup_acceptance if j in lookups else self.acceptance).observe(n, kept)
 
     def lookup_length(self, remaining: Sequence[int], rows: int = 1) -> int:
         """The length of the lookup drafts of a step this policy made plain, for a pass of
@@ -199,12 +203,6 @@ class AdaptiveGamma:
             self.plain_lookup_steps = 0
             return 1
         return k
-
-    def observe_lookup(self, drafted: Sequence[int], accepted: Sequence[int], verify_seconds: float) -> None:
-        """A step of lookup drafts: each row's drafted and accepted tokens, the pass's seconds."""
-        self.costs.observe_pass(len(drafted), 1 + sum(drafted) / len(drafted), verify_seconds)
-        for n, kept in zip(drafted, accepted):
-            self.lookup_acceptance.observe(n, kept)
 
     def drafts_at(self, rows: int) -> bool:
         """Whether steps of this many rows draft: False once the costs measured at that batch size
