@@ -113,3 +113,27 @@ def test_streamed_conversion_names_a_missing_tensor(tmp_path):
     with pytest.raises(SpecDecodeError, match="model.layers.1.mlp.up_proj.weight"):
         packs.convert_gguf(tmp_path / "cut.gguf", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_gguf_tokenizer_is_read_from_the_file_once(tmp_path, monkeypatch):
+    import torch
+    import transformers
+
+    from specdecode import models
+    from helpers import char_tokenizer, tiny_model, write_gguf
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    tok = char_tokenizer()
+    write_gguf(tiny_model("qwen2", seed=3, vocab_size=len(tok.get_vocab()), dtype=torch.float32), tok,
+               tmp_path / "m.gguf", merges=())
+    reads = []
+    load = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: reads.append(k.get("gguf_file")) or load(*a, **k))
+    first, second = models.gguf_tokenizer(tmp_path / "m.gguf"), models.gguf_tokenizer(tmp_path / "m.gguf")
+    assert reads == ["m.gguf", None]  # the second comes from the cached copy
+    text = "def f(x): return x"
+    assert first.encode(text) == second.encode(text) and second.eos_token == first.eos_token
+    (tmp_path / "m.gguf").touch()  # a changed file is read again
+    models.gguf_tokenizer(tmp_path / "m.gguf")
+    assert reads[-1] == "m.gguf"
