@@ -50,8 +50,9 @@ class SpeculativeGenerator:
         gamma: tokens drafted per step, or "auto" for the adaptive policy.
         draft_confidence: stop a draft after a token the draft model gave less than this
         probability; None: 0.7 with gamma "auto", off with a fixed gamma (config.SpecConfig).
-        lookup_fill: with gamma "auto" and the draft model, steps the policy makes plain draft a
-        prompt lookup where there is one (the engine's lookup fill)."""
+        lookup_fill: with gamma "auto" and the draft model, a prompt lookup of 3+ tokens drafts
+        instead of the model, and steps the policy makes plain draft any lookup (the engine's
+        lookup fill)."""
         self.target = target
         self.draft = draft
         self.spec_config = SpecConfig(gamma=gamma, draft_confidence=draft_confidence, lookup_fill=lookup_fill)

@@ -118,8 +118,8 @@ class SpecConfig:
     draft_confidence: a draft model stops drafting after a token it gave less than this
     probability; None: ADAPTIVE_DRAFT_CONFIDENCE with the adaptive policy, off with a fixed gamma
     (``stop_confidence`` is the value in force).
-    lookup_fill: with the adaptive policy and a draft model, steps the policy makes plain draft
-    a prompt lookup where the context has one (``engine``'s glossary).
+    lookup_fill: with the adaptive policy and a draft model, a long enough prompt lookup drafts
+    instead of the model, and steps the policy makes plain draft any lookup (``engine``'s glossary).
     """
 
     gamma: int | str = 5

@@ -193,7 +193,7 @@ class SpecEngine:
         held = [j for j, limit in enumerate(limits) if limit > 0]  # the rows the drafter drafts
         # 2. propose, one call per group of rows sampled alike
         groups = _sampling_groups(rows)
-        drafts = [self._propose(self.drafter, [rows[j] for j in group], [limits[j] for j in group]) for group in groups]
+        drafts = [self._propose([rows[j] for j in group], [limits[j] for j in group]) for group in groups]
         if looked_up is not None and looked_up[1]:
             drafts = [_with_lookups(d, group, *looked_up, self.target.vocab_size) for d, group in zip(drafts, groups)]
         draft = _joined(drafts, groups, len(rows))
@@ -271,12 +271,12 @@ class SpecEngine:
                   if n > 0 and (limits[j] == 0 or n >= min(caps[j], LOOKUP_FIRST))}
         return found, chosen
 
-    def _propose(self, proposer: Drafter, rows: list[_Row], limits: list[int]) -> Draft:
+    def _propose(self, rows: list[_Row], limits: list[int]) -> Draft:
         """The draft of rows sampled alike (the ones with a limit of 0 propose nothing)."""
         held = [j for j, limit in enumerate(limits) if limit > 0]
         if not held:
             return Draft.empty(len(rows))
-        draft = proposer.propose([rows[j].slot for j in held], [rows[j].context for j in held],
+        draft = self.drafter.propose([rows[j].slot for j in held], [rows[j].context for j in held],
                                      [limits[j] for j in held], rows[held[0]].params,
                                      [rows[j].request.generator for j in held], min_confidence=self.config.stop_confidence)
         self._sync()

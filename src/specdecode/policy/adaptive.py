@@ -35,8 +35,8 @@ Glossary:
   (the others have not started their drafters), the pass is read at its mean tokens a row and
   the others count as passengers: a step is worth its tokens over all rows.
 - *lookup drafts*: the engine's lookup fill drafts prompt lookups where they are long enough,
-  and on steps this policy makes plain. They cost no draft time, so their length is the best one for free drafts under
-  their own per-position acceptance (``lookup_acceptance``, prior ``LOOKUP_PRIOR``) and the
+  and on steps this policy makes plain. They cost no draft time, so their length is the best
+  one for free drafts under their own per-position acceptance (``lookup_acceptance``, prior ``LOOKUP_PRIOR``) and the
   measured pass costs, with a one-token lookup every ``probe_every`` steps that would have
   none; their rows feed the pass costs and ``lookup_acceptance``, not the model's estimates.
 - *confidence stop*: within the chosen length a draft model stops after a token it gave less
@@ -127,7 +127,7 @@ class AdaptiveGamma:
     probe_now: bool = False  # a drafter has just started: probe it on the next step
     retest_gap: int = 1  # requests from one re-test to the next
     requests_since_retest: int = 0
-    plain_lookup_steps: int = 0  # plain steps without a lookup draft since the last one
+    plain_lookup_steps: int = 0  # steps whose lookup length was 0 since the last lookup
     unearned_starts: int = 0  # requests since the last start re-test that could not earn a start back
     answer_lengths: deque = field(default_factory=lambda: deque(maxlen=RECENT_ANSWERS))  # new tokens of recent requests
     plain_batch_steps: dict = field(default_factory=dict)  # rows -> steps since drafters last started at that size
@@ -191,8 +191,8 @@ class AdaptiveGamma:
             (self.lookup_acceptance if j in lookups else self.acceptance).observe(n, kept)
 
     def lookup_length(self, remaining: Sequence[int], rows: int = 1) -> int:
-        """The length of the lookup drafts of a step this policy made plain, for a pass of
-        ``rows`` rows with these budgets left (glossary: lookup drafts); 0: none."""
+        """The length the engine looks up to in the next step, for a pass of ``rows`` rows with
+        these budgets left (glossary: lookup drafts); 0: no lookup."""
         cap = _cap(self.max_gamma, remaining)
         if cap == 0 or not self.costs.knows_pass(rows):
             return 0
